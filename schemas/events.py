@@ -1,0 +1,155 @@
+"""The wire format: every record detok reads or writes, as pydantic v2 models.
+
+Inputs arrive on one topic keyed by request id, discriminated by `type`: a `prompt` (seq 0), then
+`tokens` chunks (seq 1, 2, ...), then a `finish`. One topic for all three keeps a request's events
+in partition order for free. Outputs are text deltas, one completion per request, filtered-id
+metric events and dead letters. `detok run` reads logged generations, one JSON line per request.
+
+Models are strict (no "5" -> 5 coercion): a producer that sends strings for ids has a bug we want
+to see in the dead-letter topic, not paper over.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+# Token ids are u32 on every inference server and in `tokenizers`; anything else is rejected at
+# the edge so that no OverflowError/TypeError can ever come out of the tokenizer.
+MAX_TOKEN_ID = 2**32 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+RequestId = Annotated[str, Field(min_length=1, max_length=512)]
+ModelName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class _Wire(BaseModel):
+    # Unknown fields are ignored so producers can add fields before workers learn them.
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class PromptEvent(_Wire):
+    """Opens a request: the prompt ids give the decoder its left context."""
+
+    type: Literal["prompt"] = "prompt"
+    request_id: RequestId
+    model: ModelName
+    seq: Literal[0] = 0
+    prompt_token_ids: list[TokenId]
+    skip_special_tokens: bool = True
+
+
+class TokensEvent(_Wire):
+    """A chunk of generated ids, in order: seq n follows seq n-1."""
+
+    type: Literal["tokens"] = "tokens"
+    request_id: RequestId
+    seq: Annotated[int, Field(ge=1)]
+    token_ids: list[TokenId]
+
+
+class FinishEvent(_Wire):
+    """Closes a request: the dangling tail is flushed and the completion published."""
+
+    type: Literal["finish"] = "finish"
+    request_id: RequestId
+    seq: Annotated[int, Field(ge=1)]
+    finish_reason: str | None = None
+
+
+InputEvent = Annotated[PromptEvent | TokensEvent | FinishEvent, Field(discriminator="type")]
+INPUT_EVENT_ADAPTER: TypeAdapter[PromptEvent | TokensEvent | FinishEvent] = TypeAdapter(InputEvent)
+
+
+class TextDelta(_Wire):
+    """New text of one request, covering input events seq_start..seq_end (inclusive).
+
+    Consecutive deltas of a request cover consecutive seq ranges, so a reader can check that it
+    saw every delta exactly once, and dedup by (request_id, seq_end) under at-least-once.
+    """
+
+    type: Literal["delta"] = "delta"
+    request_id: RequestId
+    model: ModelName
+    seq_start: Annotated[int, Field(ge=0)]
+    seq_end: Annotated[int, Field(ge=0)]
+    text: str
+    final: bool = False
+
+
+class Completion(_Wire):
+    """The whole generated text of one request, published once at finish (or failure)."""
+
+    type: Literal["completion"] = "completion"
+    request_id: RequestId
+    model: ModelName
+    text: str
+    status: Literal["ok", "failed"]
+    finish_reason: str | None = None
+    prompt_tokens: Annotated[int, Field(ge=0)]
+    generated_tokens: Annotated[int, Field(ge=0)]
+    filtered_prompt_ids: list[TokenId] = []
+    error: str | None = None
+
+
+class FilteredIdsMetric(_Wire):
+    """Emitted for every request whose prompt had ids the tokenizer cannot map."""
+
+    type: Literal["filtered_prompt_ids"] = "filtered_prompt_ids"
+    request_id: RequestId
+    model: ModelName
+    filtered_ids: list[TokenId]
+    filtered_count: Annotated[int, Field(ge=0)]
+    prompt_tokens: Annotated[int, Field(ge=0)]
+
+
+class DeadLetterReason(StrEnum):
+    """Why a record went to the dead-letter topic: a bounded set, also a metric label."""
+
+    MALFORMED_JSON = "malformed_json"
+    SCHEMA_VIOLATION = "schema_violation"
+    TOKEN_ID_OUT_OF_RANGE = "token_id_out_of_range"
+    UNKNOWN_MODEL = "unknown_model"
+    MISSING_PROMPT = "missing_prompt"
+    EVENT_AFTER_FINISH = "event_after_finish"
+    SEQUENCE_GAP = "sequence_gap"
+    STRICT_DECODE_FAILURE = "strict_decode_failure"
+    REQUEST_ALREADY_FAILED = "request_already_failed"
+    TTL_EXPIRED = "ttl_expired"
+
+
+class DeadLetterRecord(_Wire):
+    """A dead letter as `detok run` writes it to its dead-letter file (one JSON line)."""
+
+    type: Literal["dead_letter"] = "dead_letter"
+    reason: DeadLetterReason
+    error_class: str
+    error: str
+    line: int | None = None
+    request_id: str | None = None
+    seq: int | None = None
+    original: str
+
+
+class LoggedGeneration(_Wire):
+    """One line of `detok run` / `detok replay` input: a whole logged generation."""
+
+    request_id: RequestId
+    model: ModelName
+    prompt_token_ids: list[TokenId]
+    output_token_ids: list[TokenId]
+    skip_special_tokens: bool = True
+    finish_reason: str | None = None
+
+
+WIRE_MODELS: dict[str, type[BaseModel]] = {
+    "prompt-event": PromptEvent,
+    "tokens-event": TokensEvent,
+    "finish-event": FinishEvent,
+    "text-delta": TextDelta,
+    "completion": Completion,
+    "filtered-ids-metric": FilteredIdsMetric,
+    "dead-letter-record": DeadLetterRecord,
+    "logged-generation": LoggedGeneration,
+}

@@ -1,0 +1,69 @@
+"""Turning raw bytes into events, and a refusal into a dead-letter reason.
+
+Kept apart from the models so that the one question every consumer asks ("is this record usable,
+and if not, why?") has one answer, used by the Kafka worker and `detok run` alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from schemas.events import INPUT_EVENT_ADAPTER, DeadLetterReason, FinishEvent, PromptEvent, TokensEvent
+
+_TOKEN_ID_FIELDS = frozenset({"prompt_token_ids", "token_ids", "output_token_ids"})
+_RANGE_ERRORS = frozenset({"greater_than_equal", "less_than_equal"})
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why raw bytes could not become an event."""
+
+    reason: DeadLetterReason
+    error_class: str
+    message: str
+
+
+def classify(error: ValidationError) -> DeadLetterReason:
+    """Name the dead-letter reason of a validation error.
+
+    Ids outside [0, 2**32) get their own reason because they are the one schema error a healthy
+    inference server can still produce (a sampling bug, an uninitialised slot), and dashboards
+    want them apart from plain garbage.
+    """
+    errors = error.errors(include_url=False, include_context=False, include_input=False)
+    if any(e["type"] in ("json_invalid", "json_type") for e in errors):
+        return DeadLetterReason.MALFORMED_JSON
+    if errors and all(
+        e["type"] in _RANGE_ERRORS and _TOKEN_ID_FIELDS.intersection(map(str, e["loc"]))
+        for e in errors
+    ):
+        return DeadLetterReason.TOKEN_ID_OUT_OF_RANGE
+    return DeadLetterReason.SCHEMA_VIOLATION
+
+
+def _rejection(error: ValidationError) -> Rejection:
+    message = str(error)
+    return Rejection(classify(error), "pydantic_core.ValidationError", message[:4096])
+
+
+def parse_event(raw: bytes | str) -> PromptEvent | TokensEvent | FinishEvent | Rejection:
+    """Parse one input record; never raises on bad input."""
+    try:
+        return INPUT_EVENT_ADAPTER.validate_json(raw)
+    except ValidationError as error:
+        return _rejection(error)
+
+
+def parse_model(model: type[M] | TypeAdapter, raw: bytes | str) -> M | Rejection:
+    """Parse raw JSON into any wire model; never raises on bad input."""
+    try:
+        if isinstance(model, TypeAdapter):
+            return model.validate_json(raw)
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        return _rejection(error)
