@@ -11,7 +11,13 @@ from typing import TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from schemas.events import INPUT_EVENT_ADAPTER, DeadLetterReason, FinishEvent, PromptEvent, TokensEvent
+from schemas.events import (
+    INPUT_EVENT_ADAPTER,
+    DeadLetterReason,
+    FinishEvent,
+    PromptEvent,
+    TokensEvent,
+)
 
 _TOKEN_ID_FIELDS = frozenset({"prompt_token_ids", "token_ids", "output_token_ids"})
 _RANGE_ERRORS = frozenset({"greater_than_equal", "less_than_equal"})

@@ -1,0 +1,73 @@
+"""Wire models: validation, dead-letter classification, and the exported JSON Schema files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from schemas.events import DeadLetterReason, FinishEvent, PromptEvent, TokensEvent
+from schemas.export import SCHEMA_DIR, rendered_schemas
+from schemas.validation import Rejection, parse_event
+
+
+def test_events_are_discriminated_by_type() -> None:
+    prompt = parse_event(b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[1,2]}')
+    tokens = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[3]}')
+    finish = parse_event(b'{"type":"finish","request_id":"r","seq":2,"finish_reason":"stop"}')
+    assert isinstance(prompt, PromptEvent) and prompt.seq == 0 and prompt.skip_special_tokens
+    assert isinstance(tokens, TokensEvent) and tokens.token_ids == [3]
+    assert isinstance(finish, FinishEvent) and finish.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1,', "malformed_json"),
+        (b"\xff\xfe not json", "malformed_json"),
+        (b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[-1]}', "token_id_out_of_range"),
+        (
+            b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[4294967296]}',
+            "token_id_out_of_range",
+        ),
+        (
+            b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[99999999999]}',
+            "token_id_out_of_range",
+        ),
+        (b'{"type":"tokens","request_id":"r","seq":1,"token_ids":["5"]}', "schema_violation"),
+        (b'{"type":"tokens","request_id":"r","seq":0,"token_ids":[5]}', "schema_violation"),
+        (
+            b'{"type":"prompt","request_id":"r","model":"m","seq":3,"prompt_token_ids":[]}',
+            "schema_violation",
+        ),
+        (b'{"type":"banana","request_id":"r"}', "schema_violation"),
+        (b'{"type":"tokens","request_id":"","seq":1,"token_ids":[1]}', "schema_violation"),
+        (b"[1, 2, 3]", "schema_violation"),
+    ],
+)
+def test_bad_records_are_rejected_with_a_reason(raw: bytes, reason: str) -> None:
+    parsed = parse_event(raw)
+    assert isinstance(parsed, Rejection)
+    assert parsed.reason == DeadLetterReason(reason)
+    assert parsed.message
+
+
+def test_largest_u32_id_is_accepted() -> None:
+    parsed = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[4294967295, 0]}')
+    assert isinstance(parsed, TokensEvent)
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    parsed = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1],"ts":1.5}')
+    assert isinstance(parsed, TokensEvent)
+
+
+def test_exported_json_schemas_are_current() -> None:
+    expected = rendered_schemas()
+    on_disk = {path.name: path.read_text(encoding="utf-8") for path in SCHEMA_DIR.glob("*.json")}
+    assert on_disk == expected, "stale schemas/json: run `python -m schemas.export`"
+
+
+def test_exported_input_schema_names_every_event_type() -> None:
+    schema = json.loads(rendered_schemas()["input-event.schema.json"])
+    assert set(schema["discriminator"]["mapping"]) == {"prompt", "tokens", "finish"}
