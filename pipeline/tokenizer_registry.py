@@ -120,7 +120,9 @@ class TokenizerRegistry:
                 raise TokenizerSpecError(f"expected MODEL=PATH, got {spec!r}")
             registry.register(name, path, model_vocab_size=vocab_sizes.pop(name, None))
         if vocab_sizes:
-            raise TokenizerSpecError(f"model vocab size given for unknown models: {sorted(vocab_sizes)}")
+            raise TokenizerSpecError(
+                f"model vocab size given for unknown models: {sorted(vocab_sizes)}"
+            )
         return registry
 
 

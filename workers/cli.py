@@ -14,7 +14,7 @@ import sys
 # Each module exposes `add_command(subparsers)`, which registers a parser whose `func(args)`
 # returns the process exit code.
 COMMAND_MODULES = (
-    "workers.offline",
+    "workers.run_command",
     "workers.broker",
     "workers.topics",
 )

@@ -1,0 +1,38 @@
+"""Logged generations as event streams.
+
+A logged generation (one JSONL line: prompt ids, output ids) is what an inference server would
+have sent as events: a prompt, the output ids in chunks, a finish. `detok run` and `detok replay`
+both cut it the same way, so offline and Kafka runs see the same events.
+"""
+
+from __future__ import annotations
+
+from schemas.events import FinishEvent, LoggedGeneration, PromptEvent, TokensEvent
+
+DEFAULT_CHUNK_SIZE = 16
+
+
+def generation_events(
+    generation: LoggedGeneration, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> list[PromptEvent | TokensEvent | FinishEvent]:
+    """prompt (seq 0), tokens chunks (seq 1..k), finish (seq k+1)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+    request_id = generation.request_id
+    events: list[PromptEvent | TokensEvent | FinishEvent] = [
+        PromptEvent(
+            request_id=request_id,
+            model=generation.model,
+            prompt_token_ids=generation.prompt_token_ids,
+            skip_special_tokens=generation.skip_special_tokens,
+        )
+    ]
+    ids = generation.output_token_ids
+    for seq, start in enumerate(range(0, len(ids), chunk_size), start=1):
+        events.append(
+            TokensEvent(request_id=request_id, seq=seq, token_ids=ids[start : start + chunk_size])
+        )
+    events.append(
+        FinishEvent(request_id=request_id, seq=len(events), finish_reason=generation.finish_reason)
+    )
+    return events
