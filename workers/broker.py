@@ -123,7 +123,7 @@ def start_broker(port: int = DEFAULT_PORT, data_dir: Path = DEFAULT_DATA_DIR) ->
 
     controller_port = port + 1
     for needed in (port, controller_port):
-        if not _port_is_free(needed):
+        if not port_is_free(needed):
             raise PortInUse(
                 f"port {needed} on {LOOPBACK} is already in use by another process; the broker "
                 f"needs {port} (clients) and {controller_port} (controller). Pick another --port."
@@ -357,7 +357,11 @@ def _is_broker_process(pid: int, data_dir: Path) -> bool:
     return b"kafka.Kafka" in arguments and str(data_dir / "server.properties").encode() in arguments
 
 
-def _port_is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Whether nothing listens on `port` of the loopback address.
+
+    Public because the tests pick free port pairs with it.
+    """
     # SO_REUSEADDR as the JVM sets it: a port left in TIME_WAIT by a just-stopped broker counts as
     # free, a port someone listens on does not.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

@@ -1,0 +1,124 @@
+"""`detok topics ensure` against the real broker: creates the pipeline's topics with the right
+shape, is idempotent, and refuses (without touching anything) topics of the wrong shape."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+from pydantic import ValidationError
+
+from tests.conftest import REPO_ROOT
+from tests.integration.conftest import WAIT_BOUND_S, unique_name
+from workers.topics import TopicConfigurationMismatch, TopicNames, ensure_topics
+
+pytestmark = pytest.mark.integration
+
+
+def unique_topic_names() -> TopicNames:
+    """The default names under a per-test prefix, so tests never see each other's topics."""
+    prefix = unique_name("t")
+    return TopicNames(
+        **{role: f"{prefix}.{name}" for role, name in TopicNames().model_dump().items()}
+    )
+
+
+def topic_shapes(bootstrap: str, names: TopicNames) -> dict[str, tuple[int, str]]:
+    """(partition count, cleanup.policy) of each topic in `names` that exists."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topics = admin.list_topics(timeout=WAIT_BOUND_S).topics
+    present = [name for name in names.model_dump().values() if name in topics]
+    if not present:
+        return {}
+    resources = [ConfigResource(ResourceType.TOPIC, name) for name in present]
+    configs = admin.describe_configs(resources)
+    return {
+        resource.name: (
+            len(topics[resource.name].partitions),
+            future.result(timeout=WAIT_BOUND_S)["cleanup.policy"].value,
+        )
+        for resource, future in configs.items()
+    }
+
+
+def run_detok(*arguments: str, bootstrap: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", *arguments],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap},
+        timeout=120,  # the command itself bounds each admin call at 30 s
+        check=False,
+    )
+
+
+def test_default_topic_names() -> None:
+    names = TopicNames()
+    assert names.input == "detok.tokens"
+    assert names.compacted == ("detok.completions", "detok.state-changelog")
+    assert names.dead_letters == "detok.dead-letters"
+
+
+def test_topic_names_must_differ() -> None:
+    with pytest.raises(ValidationError, match="own topic"):
+        TopicNames(changelog="detok.tokens")
+
+
+def test_ensure_creates_the_right_shape_then_only_validates(kafka_bootstrap: str) -> None:
+    names = unique_topic_names()
+    first = ensure_topics(kafka_bootstrap, names, partitions=3)
+    assert sorted(first.created) == sorted(names.model_dump().values())
+    assert first.validated == ()
+
+    compacted = {names.completions, names.changelog}
+    expected = {
+        name: (3, "compact" if name in compacted else "delete")
+        for name in names.model_dump().values()
+    }
+    assert topic_shapes(kafka_bootstrap, names) == expected
+
+    second = ensure_topics(kafka_bootstrap, names, partitions=3)
+    assert second.created == ()
+    assert sorted(second.validated) == sorted(names.model_dump().values())
+    assert topic_shapes(kafka_bootstrap, names) == expected
+
+
+def test_ensure_refuses_a_changelog_unlike_the_input_and_creates_nothing(
+    kafka_bootstrap: str, create_topic: Callable[..., str]
+) -> None:
+    changelog = create_topic("wrong-changelog", partitions=3)  # neither 4 nor compacted
+    names = unique_topic_names().model_copy(update={"changelog": changelog})
+    with pytest.raises(TopicConfigurationMismatch, match="changelog") as refusal:
+        ensure_topics(kafka_bootstrap, names, partitions=4)
+    assert "cleanup.policy=compact" in str(refusal.value)
+    assert set(topic_shapes(kafka_bootstrap, names)) == {changelog}
+
+
+def test_cli_ensure_is_idempotent_and_refuses_a_mismatch(
+    kafka_bootstrap: str, create_topic: Callable[..., str]
+) -> None:
+    names = unique_topic_names()
+    flags = [
+        argument
+        for role, name in names.model_dump().items()
+        for argument in (f"--{role.replace('_', '-')}-topic", name)
+    ]
+    for _ in range(2):
+        result = run_detok(
+            "topics", "ensure", "--partitions", "2", *flags, bootstrap=kafka_bootstrap
+        )
+        assert result.returncode == 0, result.stderr
+    assert result.stdout.count("validated") == 6
+    assert {count for count, _ in topic_shapes(kafka_bootstrap, names).values()} == {2}
+
+    mismatched = [*flags[:-1], create_topic("cli-wrong-changelog", partitions=5)]
+    refused = run_detok(
+        "topics", "ensure", "--partitions", "2", *mismatched, bootstrap=kafka_bootstrap
+    )
+    assert refused.returncode != 0
+    assert "refused" in refused.stderr and "changelog" in refused.stderr
