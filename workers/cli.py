@@ -17,6 +17,9 @@ COMMAND_MODULES = (
     "workers.run_command",
     "workers.broker",
     "workers.topics",
+    "workers.worker_command",
+    "workers.replay",
+    "workers.dead_letters",
 )
 
 

@@ -1,0 +1,549 @@
+"""The Kafka worker: consume token-id events, decode, produce text, exactly once.
+
+One loop, consume-transform-produce:
+
+    consume a batch -> parse (bad bytes: dead letter) -> RequestProcessor.process (one decode
+    round) -> completions, metric events and dead letters produced into the open transaction,
+    deltas coalesced per request -> every commit interval: deltas, changelog snapshots of the
+    requests touched, and the consumed offsets, all in one transaction.
+
+Per-request state (a `DecodeStream` window, the text so far, the expected seq) lives in memory,
+keyed by request id and owned by the input partition its events arrive on. Its changelog is a
+compacted topic with the input's partition count: the snapshot of a request on input partition p
+is written to changelog partition p, so whoever is assigned p restores exactly p's requests.
+
+Failure model (exactly-once): a crash loses the open transaction; the next owner restores the
+committed snapshots and re-consumes from the committed offsets, and read_committed readers never
+saw the aborted outputs. An abortable error does the same inside the process (abort, restore,
+rewind). A fatal error stops the worker with a non-zero exit, for the orchestrator to restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
+from pipeline.processor import BatchResult, DeadLetter, EventOrigin, RequestProcessor
+from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import TextDelta
+from schemas.validation import Rejection, parse_event
+from workers.config import WorkerSettings
+from workers.dead_letters import dead_letter_headers, dead_letter_key
+from workers.metrics import WorkerMetrics
+
+log = logging.getLogger("detok.worker")
+
+# Broker round trips of a transaction commit take milliseconds on a healthy cluster; 30 s
+# covers a leader election without hanging forever on a dead broker.
+KAFKA_TIMEOUT_S = 30.0
+# Retriable commit errors (a coordinator moving, a request timing out) are retried this many
+# times, a second apart, before the worker gives up; Quix Streams uses the same bound.
+COMMIT_ATTEMPTS = 3
+COMMIT_RETRY_BACKOFF_S = 1.0
+# TTL sweeps walk every request; once a second is plenty for TTLs measured in minutes.
+EXPIRE_INTERVAL_S = 1.0
+# Header on changelog records: the input offset the snapshot reflects (Quix's pattern). Under
+# at-least-once, a snapshot written ahead of the committed offset is skipped on restore.
+PROCESSED_OFFSET_HEADER = "__detok.processed_offset"
+
+
+class FatalWorkerError(Exception):
+    """The worker cannot go on (fenced, fatal producer error, lost delivery under ALOS)."""
+
+
+@dataclass
+class _Checkpoint:
+    """What has happened since the last commit."""
+
+    offsets: dict[int, int]  # input partition -> next offset to consume
+    dirty: set[str]  # requests whose snapshot must be rewritten
+    deltas: dict[str, TextDelta]  # request -> its coalesced delta
+    started_at: float
+
+    @classmethod
+    def fresh(cls) -> _Checkpoint:
+        return cls({}, set(), {}, time.monotonic())
+
+    @property
+    def empty(self) -> bool:
+        return not (self.offsets or self.dirty or self.deltas)
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        registry: TokenizerRegistry,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.topics = settings.topics
+        self.exactly_once = settings.guarantee == "exactly-once"
+        self.metrics = metrics or WorkerMetrics(registry.names, registry=None)
+        self.processor = RequestProcessor(
+            registry,
+            unknown_generated_ids=settings.unknown_generated_ids,
+            request_ttl_s=settings.request_ttl_s,
+            finished_retention_s=settings.finished_retention_s,
+        )
+        self.owner: dict[str, int] = {}  # request id -> input partition
+        self.assigned: set[int] = set()
+        self.restoring: set[int] = set()
+        self.at_end: set[int] = set()
+        self.checkpoint = _Checkpoint.fresh()
+        self.running = True
+        self.last_message_at = time.monotonic()
+        self.last_expire_at = time.monotonic()
+        self._delivery_error: KafkaError | None = None
+        # False once the worker stops on a fatal error: leaving the group must not commit then.
+        self._commit_on_revoke = True
+        self.consumer = Consumer(self._consumer_config())
+        self.producer = Producer(self._producer_config())
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def _consumer_config(self) -> dict[str, Any]:
+        return {
+            "bootstrap.servers": self.settings.bootstrap_servers,
+            "group.id": self.settings.group,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "enable.partition.eof": True,
+            # librdkafka pre-fetches per partition; the default 1 MB per partition is fine, but a
+            # larger total queue keeps the decode loop fed while the broker shares the 2 cores.
+            "queued.max.messages.kbytes": 65536,
+            "statistics.interval.ms": 5000,
+            "stats_cb": self.metrics.consumer_statistics,
+            **self.settings.kafka_config,
+        }
+
+    def _producer_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "bootstrap.servers": self.settings.bootstrap_servers,
+            "enable.idempotence": True,
+            # Java clients hash keys with murmur2; so must we, or a request's outputs would land
+            # on other partitions than a Java producer would choose.
+            "partitioner": "murmur2_random",
+            # A little batching: outputs of one consumed batch go out in few requests.
+            "linger.ms": 5,
+            "batch.size": 1_000_000,
+            "compression.type": "lz4",
+            **self.settings.kafka_config,
+        }
+        if self.exactly_once:
+            config["transactional.id"] = self.settings.transactional_id
+            # An orphaned transaction (a worker killed with a random instance id) blocks
+            # read_committed readers until it times out; 30 s bounds that stall.
+            config["transaction.timeout.ms"] = 30_000
+        else:
+            config["on_delivery"] = self._on_delivery
+        return config
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Process until stopped by a signal, by `exit_when_idle_s`, or by a fatal error."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._stop)
+        if self.exactly_once:
+            self.producer.init_transactions(KAFKA_TIMEOUT_S)
+            self.producer.begin_transaction()
+        self.consumer.subscribe(
+            [self.topics.input],
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
+        try:
+            while self.running:
+                self._step()
+            self._commit()
+        except FatalWorkerError:
+            log.exception("fatal error; stopping without commit")
+            self._close(abort=True)
+            return 1
+        except KafkaException:
+            log.exception("fatal Kafka error; stopping without commit")
+            self._close(abort=True)
+            return 1
+        self._close(abort=False)
+        return 0
+
+    def _stop(self, signum: int, frame: object) -> None:
+        log.info("signal %s: finishing the batch, committing, leaving the group", signum)
+        self.running = False
+
+    def _close(self, abort: bool) -> None:
+        if abort and self.exactly_once:
+            try:
+                self.producer.abort_transaction(KAFKA_TIMEOUT_S)
+            except KafkaException:
+                log.warning("abort at shutdown failed", exc_info=True)
+        self._commit_on_revoke = not abort
+        self.consumer.close()  # leaves the group; our revoke callback commits what is open
+        self.producer.flush(KAFKA_TIMEOUT_S)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        if self.restoring:
+            self._restore()
+        messages = self.consumer.consume(self.settings.max_batch, 0.1)
+        now = time.time()
+        if messages:
+            self._handle(messages, now)
+        if time.monotonic() - self.last_expire_at >= EXPIRE_INTERVAL_S:
+            self.last_expire_at = time.monotonic()
+            self._emit(self.processor.expire(now))
+        elapsed_ms = (time.monotonic() - self.checkpoint.started_at) * 1000
+        if elapsed_ms >= self.settings.commit_interval_ms:
+            self._commit()
+        self.producer.poll(0)
+        if self._idle_long_enough():
+            log.info("every assigned partition is at its end and idle; stopping")
+            self.running = False
+
+    def _idle_long_enough(self) -> bool:
+        idle_limit = self.settings.exit_when_idle_s
+        if idle_limit is None or self.restoring or not self.at_end >= self.assigned:
+            return False
+        return time.monotonic() - self.last_message_at >= idle_limit
+
+    def _handle(self, messages: list[Message], now: float) -> None:
+        batch = []
+        offsets = self.checkpoint.offsets
+        for message in messages:
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    self.at_end.add(message.partition())
+                    continue
+                if error.fatal():
+                    raise KafkaException(error)
+                log.warning("consumer error: %s", error)
+                continue
+            partition = message.partition()
+            self.at_end.discard(partition)
+            offsets[partition] = message.offset() + 1
+            origin = EventOrigin(
+                source=message.topic(),
+                partition=partition,
+                offset=message.offset(),
+                value=message.value() or b"",
+                key=message.key(),
+                headers=tuple(message.headers() or ()),
+                timestamp_ms=message.timestamp()[1],
+            )
+            event = parse_event(origin.value)
+            if isinstance(event, Rejection):
+                self._dead_letter(
+                    DeadLetter(event.reason, event.error_class, event.message, None, None, origin)
+                )
+                continue
+            self.owner.setdefault(event.request_id, partition)
+            batch.append((event, origin))
+        self.last_message_at = time.monotonic()
+        if batch:
+            started = time.perf_counter()
+            result = self.processor.process(batch, now)
+            self.metrics.observe_batch(result, len(batch), time.perf_counter() - started)
+            self._emit(result)
+        self.metrics.observe_consumed(len(messages), now)
+
+    def _emit(self, result: BatchResult) -> None:
+        deltas = self.checkpoint.deltas
+        for delta in result.deltas:
+            previous = deltas.get(delta.request_id)
+            if previous is not None:
+                delta = delta.model_copy(
+                    update={"seq_start": previous.seq_start, "text": previous.text + delta.text}
+                )
+            deltas[delta.request_id] = delta
+        for completion in result.completions:
+            self._produce(
+                self.topics.completions, completion.request_id, completion.model_dump_json()
+            )
+        for metric in result.metrics:
+            self._produce(self.topics.metrics, metric.request_id, metric.model_dump_json())
+        for letter in result.dead_letters:
+            self._dead_letter(letter)
+        self.checkpoint.dirty |= result.touched
+        self.metrics.observe_outputs(result)
+
+    def _dead_letter(self, letter: DeadLetter) -> None:
+        headers = dead_letter_headers(letter, self.settings.group, self.settings.instance_id)
+        timestamp = letter.origin.timestamp_ms if letter.origin else None
+        self._produce_raw(
+            self.topics.dead_letters,
+            dead_letter_key(letter),
+            letter.value,
+            headers=headers,
+            timestamp=timestamp or 0,
+        )
+        self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
+
+    def _produce(self, topic: str, key: str, value: str) -> None:
+        self._produce_raw(topic, key.encode(), value.encode())
+
+    def _produce_raw(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        *,
+        partition: int | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+        timestamp: int = 0,
+    ) -> None:
+        kwargs: dict[str, Any] = {"key": key, "headers": headers, "timestamp": timestamp}
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self.producer.produce(topic, value, **kwargs)
+                return
+            except BufferError:
+                # The local queue is full: let librdkafka send, then try again.
+                self.producer.poll(0.05)
+
+    # -- commit -------------------------------------------------------------------------------
+
+    def _commit(self) -> None:
+        checkpoint = self.checkpoint
+        if checkpoint.empty:
+            checkpoint.started_at = time.monotonic()
+            return
+        started = time.perf_counter()
+        for request_id, delta in checkpoint.deltas.items():
+            self._produce(self.topics.deltas, request_id, delta.model_dump_json())
+        self.metrics.deltas_produced.inc(len(checkpoint.deltas))
+        self._write_changelog(checkpoint)
+        offsets = [
+            TopicPartition(self.topics.input, partition, offset)
+            for partition, offset in sorted(checkpoint.offsets.items())
+        ]
+        if self.exactly_once:
+            committed = self._commit_transaction(offsets)
+        else:
+            committed = self._commit_at_least_once(offsets)
+        self.checkpoint = _Checkpoint.fresh()
+        self.metrics.observe_commit(time.perf_counter() - started, committed)
+        self.metrics.active_requests.set(self.processor.active_requests)
+
+    def _write_changelog(self, checkpoint: _Checkpoint) -> None:
+        for request_id in checkpoint.dirty:
+            partition = self.owner.get(request_id)
+            if partition is None:
+                continue
+            snapshot = self.processor.snapshot(request_id)
+            value = None if snapshot is None else json.dumps(snapshot, separators=(",", ":"))
+            offset = checkpoint.offsets.get(partition, -1)
+            self._produce_raw(
+                self.topics.changelog,
+                request_id.encode(),
+                None if value is None else value.encode(),
+                partition=partition,
+                headers=[(PROCESSED_OFFSET_HEADER, str(offset).encode())],
+            )
+            if snapshot is None:
+                del self.owner[request_id]
+
+    def _commit_transaction(self, offsets: list[TopicPartition]) -> bool:
+        """Offsets and outputs in one transaction; False if it had to be aborted."""
+        metadata = self.consumer.consumer_group_metadata()
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                if offsets:
+                    self.producer.send_offsets_to_transaction(offsets, metadata, KAFKA_TIMEOUT_S)
+                    offsets = []  # sent; a retry only repeats the commit
+                self.producer.commit_transaction(KAFKA_TIMEOUT_S)
+                self.producer.begin_transaction()
+                return True
+            except KafkaException as exception:
+                error: KafkaError = exception.args[0]
+                if error.txn_requires_abort():
+                    log.warning("transaction must abort (%s); rolling back", error)
+                    self.producer.abort_transaction(KAFKA_TIMEOUT_S)
+                    self.producer.begin_transaction()
+                    self._rollback()
+                    return False
+                if error.retriable() and attempt < COMMIT_ATTEMPTS:
+                    log.warning("commit attempt %d failed (%s); retrying", attempt, error)
+                    time.sleep(COMMIT_RETRY_BACKOFF_S)
+                    continue
+                raise FatalWorkerError(f"transaction commit failed: {error}") from exception
+        raise AssertionError("unreachable")
+
+    def _commit_at_least_once(self, offsets: list[TopicPartition]) -> bool:
+        remaining = self.producer.flush(KAFKA_TIMEOUT_S)
+        if remaining or self._delivery_error is not None:
+            raise FatalWorkerError(
+                f"outputs not delivered ({remaining} pending, error {self._delivery_error}); "
+                "offsets left uncommitted so a restart reprocesses them"
+            )
+        if offsets:
+            self.consumer.commit(offsets=offsets, asynchronous=False)
+        return True
+
+    def _on_delivery(self, error: KafkaError | None, message: Message) -> None:
+        if error is not None:
+            self._delivery_error = error
+
+    def _rollback(self) -> None:
+        """After an abort: forget uncommitted state, restore it, re-consume from the commit."""
+        partitions = sorted(self.assigned)
+        self.checkpoint = _Checkpoint.fresh()
+        self._drop_state(partitions)
+        if not partitions:
+            return
+        committed = self.consumer.committed(
+            [TopicPartition(self.topics.input, p) for p in partitions], KAFKA_TIMEOUT_S
+        )
+        for tp in committed:
+            offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            try:
+                self.consumer.seek(TopicPartition(self.topics.input, tp.partition, offset))
+            except KafkaException:
+                log.warning("rewind of partition %d failed", tp.partition, exc_info=True)
+        self._begin_restore(partitions)
+
+    # -- rebalance and restore ----------------------------------------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # No I/O here: restore runs in the main loop, so this callback stays short and bounded
+        # (a slow callback is how Quix Streams' workers livelocked in rebalance loops).
+        consumer.incremental_assign(partitions)
+        numbers = [tp.partition for tp in partitions]
+        self.assigned.update(numbers)
+        self._begin_restore(numbers)
+        self.metrics.rebalances.labels(event="assign").inc()
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        numbers = [tp.partition for tp in partitions]
+        self.metrics.rebalances.labels(event="revoke").inc()
+        if self._commit_on_revoke:
+            try:
+                self._commit()
+            except (KafkaException, FatalWorkerError):
+                log.exception("commit on revoke failed; the next owner reprocesses")
+        self._drop_state(numbers)
+        self.assigned.difference_update(numbers)
+        self.restoring.difference_update(numbers)
+        self.at_end.difference_update(numbers)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Lost partitions are already someone else's: never commit for them.
+        numbers = [tp.partition for tp in partitions]
+        self.metrics.rebalances.labels(event="lost").inc()
+        if self.exactly_once:
+            self.producer.abort_transaction(KAFKA_TIMEOUT_S)
+            self.producer.begin_transaction()
+        self.assigned.difference_update(numbers)
+        self.restoring.difference_update(numbers)
+        self.at_end.difference_update(numbers)
+        self._drop_state(numbers)
+        self._rollback()
+
+    def _drop_state(self, partitions: Iterable[int]) -> None:
+        dropped = set(partitions)
+        for request_id in [r for r, p in self.owner.items() if p in dropped]:
+            del self.owner[request_id]
+            self.processor.requests.pop(request_id, None)
+            self.checkpoint.dirty.discard(request_id)
+            self.checkpoint.deltas.pop(request_id, None)
+        for partition in dropped:
+            self.checkpoint.offsets.pop(partition, None)
+
+    def _begin_restore(self, partitions: Iterable[int]) -> None:
+        numbers = list(partitions)
+        self.consumer.pause([TopicPartition(self.topics.input, p) for p in numbers])
+        self.restoring.update(numbers)
+        self.metrics.partitions_restoring.set(len(self.restoring))
+
+    def _restore(self) -> None:
+        """Rebuild the state of the restoring partitions from the changelog, then resume them.
+
+        Reads each changelog partition from the beginning to its end (partition EOF, never
+        "offset == high watermark - 1": under read_committed, transaction markers occupy
+        offsets and that test can hang). Compaction keeps this proportional to live requests.
+        """
+        started = time.perf_counter()
+        partitions = sorted(self.restoring)
+        committed_input = self._committed_offsets(partitions)
+        restore_consumer = Consumer(
+            {
+                "bootstrap.servers": self.settings.bootstrap_servers,
+                "group.id": f"{self.settings.group}-restore",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "enable.partition.eof": True,
+                **self.settings.kafka_config,
+            }
+        )
+        restore_consumer.assign(
+            [TopicPartition(self.topics.changelog, p, OFFSET_BEGINNING) for p in partitions]
+        )
+        latest: dict[str, tuple[int, bytes | None]] = {}
+        remaining = set(partitions)
+        try:
+            while remaining:
+                for message in restore_consumer.consume(10_000, 0.5):
+                    error = message.error()
+                    if error is not None:
+                        if error.code() == KafkaError._PARTITION_EOF:
+                            remaining.discard(message.partition())
+                            continue
+                        raise KafkaException(error)
+                    if not self.exactly_once and _ahead_of_commit(message, committed_input):
+                        continue
+                    latest[message.key().decode()] = (message.partition(), message.value())
+        finally:
+            restore_consumer.close()
+        for request_id, (partition, value) in latest.items():
+            if value is None:
+                continue
+            self.processor.restore(request_id, json.loads(value))
+            self.owner[request_id] = partition
+        self.restoring.difference_update(partitions)
+        self.consumer.resume([TopicPartition(self.topics.input, p) for p in partitions])
+        self.metrics.observe_restore(time.perf_counter() - started, len(self.restoring))
+        self.metrics.active_requests.set(self.processor.active_requests)
+        log.info(
+            "restored %d requests of partitions %s in %.2fs",
+            len(latest),
+            partitions,
+            time.perf_counter() - started,
+        )
+
+    def _committed_offsets(self, partitions: list[int]) -> dict[int, int]:
+        if self.exactly_once:
+            return {}
+        committed = self.consumer.committed(
+            [TopicPartition(self.topics.input, p) for p in partitions], KAFKA_TIMEOUT_S
+        )
+        return {tp.partition: tp.offset for tp in committed}
+
+
+def _ahead_of_commit(message: Message, committed_input: dict[int, int]) -> bool:
+    """Under at-least-once: was this snapshot written for input the group never committed?"""
+    for key, value in message.headers() or ():
+        if key == PROCESSED_OFFSET_HEADER:
+            return int(value) > committed_input.get(message.partition(), -1)
+    return False
