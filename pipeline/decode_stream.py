@@ -382,6 +382,8 @@ class DecodeStream:
         """Emit `text` (= decode(ids[:end])) beyond the prefix and slide the window to `ids[old:]`."""
         new = slice_from_byte(text, utf8_len(self.prefix))
         old = self.prefix_index
+        if self._profile.has_byte_fallback and self._profile.byte_token[self.ids[end - 1]]:
+            old = yield from self._previous_emission(old, end, text)
         if self._profile.reuse_prefix and not self.prefix.endswith(FFFD):
             # Context-independent decoder and a clean split at `old`: decode(ids[old:end]) is
             # exactly the text just emitted, so the second decode is skipped.
@@ -392,3 +394,27 @@ class DecodeStream:
         self.prefix = prefix
         self.prefix_index = end - old
         return new
+
+    def _previous_emission(
+        self, old: int, end: int, text: str
+    ) -> Generator[DecodeRequest, list[str], int]:
+        """Where per-token pushing would have emitted last before `end` (or `old` if nowhere).
+
+        Per-token pushing keeps as context the ids of its *last single emission*; one decision
+        per chunk keeps everything since the chunk's first. For ByteFallback the context matters
+        when the emission ended inside a byte run: a later invalid byte extends that run back
+        into the context, and the run's extent decides how many U+FFFD appear. So here the window
+        is cut exactly where per-token pushing would cut it: the last k in (old, end) whose text
+        is clean and strictly between the prefix and `text` in length (the chunk's decode holds
+        no U+FFFD, so texts grow monotonically within it).
+        """
+        prefix_len = utf8_len(self.prefix)
+        target = utf8_len(text)
+        for k in range(end - 1, old, -1):
+            (probe,) = yield from self._decode([self.ids[:k]])
+            if probe.endswith(FFFD):
+                continue
+            length = utf8_len(probe)
+            if length < target:
+                return k if length > prefix_len else old
+        return old

@@ -102,6 +102,8 @@ class TokenizerProfile:
     reuse_prefix: bool
     has_byte_fallback: bool
     pure_decode: dict[bool, Callable[[Sequence[int]], str]]
+    # byte_token[i] == 1 iff id i is a `<0xNN>` byte-fallback token.
+    byte_token: bytearray
     # id -> bytes of the token under each skip flag (None = unknown); ByteLevel only.
     byte_table: dict[bool, list[bytes | None]]
 
@@ -137,9 +139,12 @@ def build_profile(tokenizer: Tokenizer, *, allow_pure: bool = True) -> Tokenizer
     for token, i in vocab.items():
         known[i] = 1
         tokens[i] = token
-    special_ids = frozenset(
-        i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special
-    )
+    added = tokenizer.get_added_tokens_decoder()
+    for i in added:
+        # What decode sees: `get_vocab` lists an added token's content, but for a `normalized`
+        # added token `id_to_token` (and decode) use the normalized form, e.g. "▁<think>".
+        tokens[i] = tokenizer.id_to_token(i)
+    special_ids = frozenset(i for i, token in added.items() if token.special)
     decoder = None if tokenizer.decoder is None else json.loads(tokenizer.decoder.__getstate__())
     kind: DecoderKind = "ffi"
     pure: dict[bool, Callable[[Sequence[int]], str]] = {}
@@ -156,8 +161,13 @@ def build_profile(tokenizer: Tokenizer, *, allow_pure: bool = True) -> Tokenizer
         kind = "spm_byte_fallback"
         for skip in (False, True):
             pure[skip] = _spm_byte_fallback_decoder(tokens, special_ids if skip else frozenset())
+    byte_token = bytearray(size)
+    for i, token in enumerate(tokens):
+        if token is not None and _byte_fallback_value(token) is not None:
+            byte_token[i] = 1
     return TokenizerProfile(
         tokenizer=tokenizer,
+        byte_token=byte_token,
         known=known,
         special_ids=special_ids,
         kind=kind,
