@@ -1,0 +1,202 @@
+"""Decode-core benchmark: streaming methods vs the library's non-streaming limit, in one run.
+
+Methods (tokens/s = generated tokens / wall time, median over repeats in rotating order, gc off):
+  (a) HF `tokenizers.decoders.DecodeStream`, primed by step() over the vLLM V1 "safe place to
+      start" suffix (shortest of 5..23 prompt ids decoding without U+FFFD), stepped per token;
+  (b) our `DecodeStream.push` per request, 16-id chunks;
+  (c) our `decode_round`, continuous rounds over `--active` requests, refilled as they finish;
+  (d) one `decode_batch` over all full generations (no streaming: the library's limit).
+Outputs of (b) and (c) are checked equal for every request. No timing is asserted anywhere.
+
+    python -m bench.bench_core [--shared-dir ../shared] [--tokenizers gpt2,llama-spm] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream as HFDecodeStream
+
+from bench.workload import generations
+from pipeline.batch import decode_round
+from pipeline.decode_stream import DecodeStream
+
+CHUNK = 16
+
+
+def chunks_of(ids: list[int]) -> list[list[int]]:
+    return [ids[i : i + CHUNK] for i in range(0, len(ids), CHUNK)]
+
+
+def method_hf_stream(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]:
+    outs = []
+    for r in reqs:
+        prompt = r["prompt_token_ids"]
+        skip = r["skip_special_tokens"]
+        start = 0
+        for n in range(5, min(len(prompt) + 1, 24)):
+            if "\ufffd" not in tok.decode(prompt[-n:], skip_special_tokens=skip):
+                start = len(prompt) - n
+                break
+        stream = HFDecodeStream(skip_special_tokens=skip)
+        for t in prompt[start:]:
+            stream.step(tok, t)
+        parts = []
+        for t in r["output_token_ids"]:
+            piece = stream.step(tok, t)
+            if piece:
+                parts.append(piece)
+        outs.append("".join(parts))
+    return outs
+
+
+def method_push(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]:
+    outs = []
+    for r in reqs:
+        stream = DecodeStream(
+            tok, r["prompt_token_ids"], skip_special_tokens=r["skip_special_tokens"]
+        )
+        parts = [stream.push(c) for c in chunks_of(r["output_token_ids"])]
+        parts.append(stream.flush())
+        outs.append("".join(parts))
+    return outs
+
+
+def method_batched(tok: Tokenizer, reqs: list[dict[str, Any]], active: int) -> list[str]:
+    outs: list[list[str]] = [[] for _ in reqs]
+    pending = iter(range(len(reqs)))
+    live: list[tuple[int, DecodeStream, list[list[int]], int]] = []
+
+    def admit() -> None:
+        for i in pending:
+            r = reqs[i]
+            s = DecodeStream(
+                tok, r["prompt_token_ids"], skip_special_tokens=r["skip_special_tokens"]
+            )
+            live.append((i, s, chunks_of(r["output_token_ids"]), 0))
+            if len(live) >= active:
+                return
+
+    admit()
+    while live:
+        results = decode_round([(s, cs[pos]) for _, s, cs, pos in live])
+        still = []
+        for (i, s, cs, pos), res in zip(live, results, strict=True):
+            outs[i].append(res.text)
+            if pos + 1 < len(cs):
+                still.append((i, s, cs, pos + 1))
+            else:
+                outs[i].append(s.flush())
+        live[:] = still
+        admit()
+    return ["".join(o) for o in outs]
+
+
+def method_decode_batch(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]:
+    return tok.decode_batch([r["output_token_ids"] for r in reqs], skip_special_tokens=True)
+
+
+def timed(fn: Callable[[], list[str]]) -> tuple[float, list[str]]:
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+    finally:
+        gc.enable()
+
+
+def bench_tokenizer(
+    path: Path, name: str, repeats: int, active: int, requests: int
+) -> dict[str, Any]:
+    tok = Tokenizer.from_file(str(path))
+    reqs = generations(tok, model=name, requests=requests)
+    generated = sum(len(r["output_token_ids"]) for r in reqs)
+    DecodeStream(tok, [1, 2, 3]).push([4])  # build the tokenizer profile outside the timings
+    methods: dict[str, Callable[[], list[str]]] = {
+        "a": lambda: method_hf_stream(tok, reqs),
+        "b": lambda: method_push(tok, reqs),
+        "c": lambda: method_batched(tok, reqs, active),
+        "d": lambda: method_decode_batch(tok, reqs),
+    }
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    outputs: dict[str, list[str]] = {}
+    order = list(methods)
+    for rep in range(repeats):
+        for key in order[rep % len(order) :] + order[: rep % len(order)]:
+            seconds, outputs[key] = timed(methods[key])
+            times[key].append(seconds)
+    mismatches_bc = sum(x != y for x, y in zip(outputs["b"], outputs["c"], strict=True))
+    mismatches_ba = sum(x != y for x, y in zip(outputs["b"], outputs["a"], strict=True))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "tokenizer": name,
+        "requests": len(reqs),
+        "generated_tokens": generated,
+        "repeats": repeats,
+        "tok_per_s": {k: generated / v for k, v in median.items()},
+        "ratio_to_d": {k: median["d"] / v for k, v in median.items()},
+        "ratio_to_a": {k: median["a"] / v for k, v in median.items()},
+        "mismatches_b_vs_c": mismatches_bc,
+        "mismatches_b_vs_a": mismatches_ba,
+    }
+
+
+LABELS = {
+    "a": "(a) HF DecodeStream, safe-suffix primed, per token",
+    "b": "(b) DecodeStream.push per request, chunk 16",
+    "c": "(c) decode_round, continuous batching",
+    "d": "(d) one decode_batch, no streaming",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--shared-dir", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared"
+    )
+    parser.add_argument("--tokenizers", default="gpt2,llama-spm")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--active", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+    results = [
+        bench_tokenizer(
+            args.shared_dir / "tokenizers" / n / "tokenizer.json",
+            n,
+            args.repeats,
+            args.active,
+            args.requests,
+        )
+        for n in args.tokenizers.split(",")
+    ]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    for res in results:
+        print(
+            f"\n{res['tokenizer']}: {res['requests']} requests, {res['generated_tokens']:,} generated tokens, "
+            f"median of {res['repeats']}"
+        )
+        print(f"| method | tok/s | ratio to (d) | ratio to (a) |\n|---|---:|---:|---:|")
+        for k, label in LABELS.items():
+            print(
+                f"| {label} | {res['tok_per_s'][k] / 1e3:,.0f} k | {res['ratio_to_d'][k]:.3f} | {res['ratio_to_a'][k]:.2f} |"
+            )
+        print(
+            f"outputs (b) vs (c): {res['mismatches_b_vs_c']} mismatches; (b) vs (a): {res['mismatches_b_vs_a']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
