@@ -23,6 +23,7 @@ Python decoder (`pipeline.vocab_tables`) decode inline and never yield.
 from __future__ import annotations
 
 import operator
+from array import array
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Literal
 
@@ -96,6 +97,12 @@ def validated_ids(token_ids: Sequence[Any]) -> list[int]:
     `tokenizers` would raise OverflowError/TypeError on these, deep inside a decode; here the
     whole sequence is checked first, so a malformed chunk changes no state.
     """
+    try:
+        # C-speed check: array('I') takes exactly the ints in [0, 2**32) (and rejects the rest
+        # with OverflowError/TypeError), so prompts of thousands of ids cost no Python loop.
+        return array("I", token_ids).tolist()
+    except (OverflowError, TypeError, ValueError):
+        pass
     out: list[int] = []
     for position, raw in enumerate(token_ids):
         try:

@@ -1,0 +1,111 @@
+"""DecodeStream on the real tokenizer files (spec §10): chunk invariance, oracle equality,
+OOV prompt ids, full-decode consistency, and pure decoders equal to `Tokenizer.decode`."""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from pipeline.batch import decode_round
+from pipeline.decode_stream import DecodeStream
+from pipeline.vocab_tables import profile_for
+from tests.conftest import REAL_TOKENIZERS, real_tokenizer_path
+from tests.unit.decode_oracle import OracleStream
+
+pytestmark = pytest.mark.conformance
+SETTINGS = settings(max_examples=40, deadline=None)
+TEXTS = ["Hello world", " 你好𠀀", "👋🏽🏳️‍🌈", "def f(x):\n    return x", "Crème brûlée", "Привет"]
+
+
+@cache
+def load(name: str) -> Tokenizer:
+    return Tokenizer.from_file(str(real_tokenizer_path(name)))
+
+
+def ids_strategy(tok: Tokenizer) -> st.SearchStrategy[list[int]]:
+    size = tok.get_vocab_size(with_added_tokens=True)
+    text_ids = st.sampled_from(TEXTS).map(lambda t: tok.encode(t, add_special_tokens=False).ids)
+    return st.lists(
+        st.one_of(text_ids, st.lists(st.integers(0, size - 1), max_size=3)), max_size=6
+    ).map(lambda xs: [t for x in xs for t in x])
+
+
+@pytest.mark.parametrize("name", REAL_TOKENIZERS)
+def test_chunked_and_batched_equal_per_token_oracle(name: str) -> None:
+    tok = load(name)
+
+    @SETTINGS
+    @given(ids_strategy(tok), ids_strategy(tok), st.integers(1, 7), st.booleans())
+    def check(prompt, generated, size, skip) -> None:
+        ref = OracleStream(tok, prompt, skip)
+        cumulative, out = [], ""
+        for t in generated:
+            out += ref.push_token(t)
+            cumulative.append(out)
+        stream = DecodeStream(tok, prompt, skip_special_tokens=skip)
+        batched = DecodeStream(tok, prompt, skip_special_tokens=skip)
+        text, count = "", 0
+        for i in range(0, len(generated), size):
+            chunk = generated[i : i + size]
+            delta = stream.push(chunk)
+            assert decode_round([(batched, chunk)])[0].text == delta
+            text += delta
+            count += len(chunk)
+            assert text == cumulative[count - 1]
+        tail = ref.flush()
+        assert stream.flush() == tail
+        assert batched.flush() == tail
+
+    check()
+
+
+@pytest.mark.parametrize("name", REAL_TOKENIZERS)
+def test_pure_decoder_equals_tokenizers_decode(name: str) -> None:
+    tok = load(name)
+    profile = profile_for(tok)
+    if not profile.pure_decode:
+        pytest.skip(f"{name} decodes through tokenizers only")
+    rng = random.Random(0)
+    size = len(profile.known)
+    for skip in (False, True):
+        decode = profile.pure_decode[skip]
+        for _ in range(2000):
+            ids = [rng.randrange(size) for _ in range(rng.randrange(12))]
+            ids = [t for t in ids if profile.known[t]]
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_qwen2_out_of_vocab_prompt_ids_are_filtered_and_counted() -> None:
+    tok = load("qwen2-from-tiktoken")
+    hello = tok.encode("Hello, world! 你好", add_special_tokens=False).ids
+    oov = [151646, 151700, 151935]
+    stream = DecodeStream(tok, [*hello[:2], oov[0], *hello[2:], oov[1], oov[2]])
+    assert stream.push(tok.encode(" ok", add_special_tokens=False).ids) == " ok"
+    assert stream.filtered_prompt_ids == [oov[1], oov[2]]
+    only_oov = DecodeStream(tok, oov)
+    assert only_oov.push(hello) == "Hello, world! 你好"
+    assert only_oov.filtered_prompt_ids == oov
+
+
+@pytest.mark.parametrize("name", ["gpt2", "olmo2-dolma2", "qwen2-from-tiktoken"])
+def test_full_decode_consistency_byte_level(name: str) -> None:
+    tok = load(name)
+    rng = random.Random(1)
+    for _ in range(200):
+        text = "".join(rng.choice(TEXTS) for _ in range(4))
+        ids = tok.encode(text, add_special_tokens=False).ids
+        cut = rng.randrange(1, len(ids))
+        prompt, generated = ids[:cut], ids[cut:]
+        if tok.decode(prompt, skip_special_tokens=True).endswith("\ufffd"):
+            continue
+        stream = DecodeStream(tok, prompt)
+        out = "".join(stream.push(generated[i : i + 5]) for i in range(0, len(generated), 5))
+        out += stream.flush()
+        full = tok.decode(ids, skip_special_tokens=True).encode()
+        head = tok.decode(prompt, skip_special_tokens=True).encode()
+        assert out.encode() == full[len(head) :]
