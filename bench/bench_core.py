@@ -188,7 +188,7 @@ def main() -> None:
             f"\n{res['tokenizer']}: {res['requests']} requests, {res['generated_tokens']:,} generated tokens, "
             f"median of {res['repeats']}"
         )
-        print(f"| method | tok/s | ratio to (d) | ratio to (a) |\n|---|---:|---:|---:|")
+        print("| method | tok/s | ratio to (d) | ratio to (a) |\n|---|---:|---:|---:|")
         for k, label in LABELS.items():
             print(
                 f"| {label} | {res['tok_per_s'][k] / 1e3:,.0f} k | {res['ratio_to_d'][k]:.3f} | {res['ratio_to_a'][k]:.2f} |"
