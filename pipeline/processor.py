@@ -264,13 +264,23 @@ class RequestProcessor:
         if event.seq < state.next_seq or event.seq in state.held:
             result.duplicates += 1
             return
+        entry = work.get(request_id)
+        if entry is not None and isinstance(entry.events[-1].event, FinishEvent):
+            # Finished earlier in this very batch; the marker replaces the state after decoding.
+            self._dead_letter(
+                result,
+                DeadLetterReason.EVENT_AFTER_FINISH,
+                event,
+                origin,
+                f"seq {event.seq} after finish at seq {entry.events[-1].event.seq}",
+            )
+            return
         if event.seq > state.next_seq:
             state.held[event.seq] = HeldEvent(event, origin)
             if len(state.held) > MAX_HELD_EVENTS:
                 self._fail_gap(request_id, state, result)
                 work.pop(request_id, None)
             return
-        entry = work.get(request_id)
         if entry is None:
             entry = work[request_id] = _Work(request_id, state)
         entry.events.append(HeldEvent(event, origin))

@@ -72,7 +72,9 @@ class WorkerMetrics:
             registry=r,
         )
         self.dead_letters = Counter(
-            "detok_dead_letters", "Records sent to the dead-letter topic, by reason", ["reason"],
+            "detok_dead_letters",
+            "Records sent to the dead-letter topic, by reason",
+            ["reason"],
             registry=r,
         )
         self.duplicates = Counter(
@@ -82,16 +84,22 @@ class WorkerMetrics:
             "detok_transactions", "Commits, by outcome", ["outcome"], registry=r
         )
         self.commit_duration = Histogram(
-            "detok_commit_duration_seconds", "Time to commit a checkpoint",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "detok_commit_duration_seconds",
+            "Time to commit a checkpoint",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.batch_size = Histogram(
-            "detok_batch_events", "Valid events per decoded batch", buckets=BATCH_BUCKETS,
+            "detok_batch_events",
+            "Valid events per decoded batch",
+            buckets=BATCH_BUCKETS,
             registry=r,
         )
         self.decode_duration = Histogram(
-            "detok_decode_duration_seconds", "Time to process one batch (sequence + decode)",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "detok_decode_duration_seconds",
+            "Time to process one batch (sequence + decode)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.active_requests = Gauge(
             "detok_active_requests", "Requests with live decode state", registry=r
@@ -100,18 +108,23 @@ class WorkerMetrics:
             "detok_partitions_restoring", "Assigned partitions still restoring state", registry=r
         )
         self.restore_duration = Histogram(
-            "detok_state_restore_duration_seconds", "Time to restore partitions from the changelog",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "detok_state_restore_duration_seconds",
+            "Time to restore partitions from the changelog",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.rebalances = Counter(
             "detok_rebalances", "Rebalance callbacks, by event", ["event"], registry=r
         )
         self.consumer_lag = Gauge(
-            "detok_consumer_lag_messages", "Records behind the end, per input partition",
-            ["partition"], registry=r,
+            "detok_consumer_lag_messages",
+            "Records behind the end, per input partition",
+            ["partition"],
+            registry=r,
         )
         self.last_processed = Gauge(
-            "detok_last_processed_timestamp_seconds", "When a record was last consumed (unix time)",
+            "detok_last_processed_timestamp_seconds",
+            "When a record was last consumed (unix time)",
             registry=r,
         )
         self.build_info = Info("detok_build", "Version and served models", registry=r)

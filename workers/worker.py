@@ -105,6 +105,7 @@ class Worker:
         self.assigned: set[int] = set()
         self.restoring: set[int] = set()
         self.at_end: set[int] = set()
+        self.ever_assigned = False
         self.checkpoint = _Checkpoint.fresh()
         self.running = True
         self.last_message_at = time.monotonic()
@@ -126,6 +127,8 @@ class Worker:
             "isolation.level": "read_committed",
             "partition.assignment.strategy": "cooperative-sticky",
             "enable.partition.eof": True,
+            "session.timeout.ms": self.settings.session_timeout_ms,
+            "heartbeat.interval.ms": max(self.settings.session_timeout_ms // 10, 100),
             # librdkafka pre-fetches per partition; the default 1 MB per partition is fine, but a
             # larger total queue keeps the decode loop fed while the broker shares the 2 cores.
             "queued.max.messages.kbytes": 65536,
@@ -222,7 +225,11 @@ class Worker:
 
     def _idle_long_enough(self) -> bool:
         idle_limit = self.settings.exit_when_idle_s
-        if idle_limit is None or self.restoring or not self.at_end >= self.assigned:
+        # A worker that was never assigned anything has not seen the input yet (its group may
+        # still be waiting for a dead member's session to expire); it must not call that idle.
+        if idle_limit is None or not self.ever_assigned or self.restoring:
+            return False
+        if not self.at_end >= self.assigned:
             return False
         return time.monotonic() - self.last_message_at >= idle_limit
 
@@ -432,6 +439,7 @@ class Worker:
         consumer.incremental_assign(partitions)
         numbers = [tp.partition for tp in partitions]
         self.assigned.update(numbers)
+        self.ever_assigned = True
         self._begin_restore(numbers)
         self.metrics.rebalances.labels(event="assign").inc()
 

@@ -45,6 +45,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         help="stop once every assigned partition is at its end and idle for S s",
     )
     parser.add_argument("--instance-id", help="stable id of this worker across restarts")
+    parser.add_argument("--session-timeout-ms", type=int)
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--request-ttl", type=float, dest="request_ttl_s", metavar="S")
     parser.add_argument("--unknown-generated-ids", choices=["error", "skip"])
