@@ -1,0 +1,223 @@
+"""The request lifecycle: sequence rules, one decode round per batch, endings and snapshots.
+
+Uses the byte-level test tokenizer (id b <-> byte b, ids >= 10,000 unknown) so every expected
+text is plain bytes arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.processor import MAX_HELD_EVENTS, EventOrigin, RequestProcessor
+from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import DeadLetterReason, FinishEvent, PromptEvent, TokensEvent
+from tests.unit.small_tokenizers import UNKNOWN_ID, byte_level
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> TokenizerRegistry:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    byte_level().save(str(path))
+    registry = TokenizerRegistry()
+    registry.register("bytes", path, model_vocab_size=20_000)
+    return registry
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def prompt(request_id: str = "r", text: str = "Hello there", model: str = "bytes") -> PromptEvent:
+    return PromptEvent(request_id=request_id, model=model, prompt_token_ids=ids(text))
+
+
+def tokens(seq: int, text: str | list[int], request_id: str = "r") -> TokensEvent:
+    token_ids = ids(text) if isinstance(text, str) else text
+    return TokensEvent(request_id=request_id, seq=seq, token_ids=token_ids)
+
+
+def finish(seq: int, request_id: str = "r") -> FinishEvent:
+    return FinishEvent(request_id=request_id, seq=seq, finish_reason="stop")
+
+
+def origin(offset: int = 0) -> EventOrigin:
+    return EventOrigin(source="t", partition=0, offset=offset, value=f"raw-{offset}".encode())
+
+
+def run(processor: RequestProcessor, *events, now: float = 0.0):
+    return processor.process([(e, origin(i)) for i, e in enumerate(events)], now)
+
+
+def reasons(result) -> list[str]:
+    return [letter.reason.value for letter in result.dead_letters]
+
+
+def test_a_request_yields_contiguous_deltas_and_one_completion(registry) -> None:
+    processor = RequestProcessor(registry)
+    first = run(processor, prompt(), tokens(1, " wor"), tokens(2, "ld ✓"))
+    second = run(processor, tokens(3, "!"), finish(4))
+    deltas = first.deltas + second.deltas
+    assert [(d.seq_start, d.seq_end) for d in deltas] == [(1, 2), (3, 4)]
+    assert "".join(d.text for d in deltas) == " world ✓!"
+    assert deltas[-1].final and not deltas[0].final
+    (completion,) = second.completions
+    assert completion.text == " world ✓!" and completion.status == "ok"
+    assert completion.prompt_tokens == len(ids("Hello there"))
+    assert completion.generated_tokens == len(ids(" world ✓!"))
+    assert completion.finish_reason == "stop"
+    assert first.decoded_tokens + second.decoded_tokens == completion.generated_tokens
+
+
+def test_a_character_split_across_events_is_held_then_emitted_whole(registry) -> None:
+    processor = RequestProcessor(registry)
+    euro = ids("€")
+    first = run(processor, prompt(), tokens(1, euro[:2]))
+    assert first.deltas == []
+    second = run(processor, tokens(2, euro[2:]), finish(3))
+    assert [(d.seq_start, d.seq_end, d.text) for d in second.deltas] == [(1, 3, "€")]
+
+
+def test_batching_does_not_change_the_completion(registry) -> None:
+    events = [prompt(), tokens(1, "a€"), tokens(2, "b😀c"), finish(3)]
+    together = run(RequestProcessor(registry), *events).completions
+    apart = RequestProcessor(registry)
+    separate = [c for e in events for c in run(apart, e).completions]
+    assert together == separate
+
+
+def test_zero_generated_tokens_give_an_empty_completion(registry) -> None:
+    (completion,) = run(RequestProcessor(registry), prompt(), finish(1)).completions
+    assert completion.text == "" and completion.generated_tokens == 0
+
+
+def test_duplicates_are_counted_not_dead_lettered(registry) -> None:
+    processor = RequestProcessor(registry)
+    result = run(processor, prompt(), prompt(), tokens(1, "x"), tokens(1, "x"))
+    assert result.duplicates == 2 and result.dead_letters == []
+    done = run(processor, finish(2), finish(2), tokens(1, "x"))
+    assert done.duplicates == 2 and done.dead_letters == []
+    assert [c.text for c in done.completions] == ["x"]
+
+
+def test_out_of_order_events_wait_for_the_gap(registry) -> None:
+    processor = RequestProcessor(registry)
+    early = run(processor, prompt(), tokens(3, "c"), tokens(2, "b"))
+    assert early.deltas == []  # seq 1 has not arrived
+    late = run(processor, tokens(1, "a"), finish(4))
+    assert [c.text for c in late.completions] == ["abc"]
+
+
+def test_a_gap_that_outgrows_the_buffer_fails_the_request(registry) -> None:
+    processor = RequestProcessor(registry)
+    held = [tokens(seq, "x") for seq in range(2, 3 + MAX_HELD_EVENTS)]
+    result = run(processor, prompt(), *held)
+    assert reasons(result) == ["sequence_gap"] * len(held)
+    (completion,) = result.completions
+    assert completion.status == "failed"
+    assert reasons(run(processor, tokens(1, "a"))) == ["request_already_failed"]
+
+
+def test_events_without_a_prompt_or_after_finish_are_dead_lettered(registry) -> None:
+    processor = RequestProcessor(registry)
+    assert reasons(run(processor, tokens(1, "x", request_id="orphan"))) == ["missing_prompt"]
+    same_batch = run(processor, prompt(), finish(1), tokens(2, "y"))
+    assert reasons(same_batch) == ["event_after_finish"]
+    assert reasons(run(processor, tokens(3, "z"))) == ["event_after_finish"]
+
+
+def test_unknown_model_and_out_of_range_prompt_fail_the_request(registry) -> None:
+    processor = RequestProcessor(registry)
+    result = run(processor, prompt(model="nope"), tokens(1, "x"))
+    assert reasons(result) == ["unknown_model", "request_already_failed"]
+    assert "bytes" in result.dead_letters[0].message  # names the models it does know
+    bad = PromptEvent(request_id="big", model="bytes", prompt_token_ids=[72, 20_000])
+    assert reasons(run(processor, bad)) == ["token_id_out_of_range"]
+    assert result.completions == []
+
+
+def test_strict_decode_failure_keeps_the_text_before_it(registry) -> None:
+    processor = RequestProcessor(registry)
+    result = run(
+        processor,
+        prompt(),
+        tokens(1, "ok "),
+        tokens(2, [*ids("so far"), UNKNOWN_ID, 65]),
+        tokens(3, "z"),
+        finish(4),
+    )
+    assert reasons(result) == [
+        "strict_decode_failure",
+        "request_already_failed",
+        "request_already_failed",
+    ]
+    strict = result.dead_letters[0]
+    assert (strict.seq, strict.origin.value) == (2, b"raw-2")
+    assert str(UNKNOWN_ID) in strict.message
+    (completion,) = result.completions
+    assert (completion.status, completion.text) == ("failed", "ok so far")
+    assert completion.generated_tokens == len(ids("ok so far"))
+    assert "".join(d.text for d in result.deltas) == "ok so far"
+    assert reasons(run(processor, tokens(5, "late"))) == ["request_already_failed"]
+
+
+def test_skip_policy_decodes_around_unknown_generated_ids(registry) -> None:
+    processor = RequestProcessor(registry, unknown_generated_ids="skip")
+    result = run(processor, prompt(), tokens(1, [65, UNKNOWN_ID, 66]), finish(2))
+    assert result.dead_letters == []
+    assert [c.text for c in result.completions] == ["AB"]
+
+
+def test_unknown_prompt_ids_are_filtered_once_and_reported(registry) -> None:
+    # The unknown id sits in the seeding window (the last 4..6 prompt ids), where it is dropped.
+    processor = RequestProcessor(registry)
+    event = PromptEvent(
+        request_id="r", model="bytes", prompt_token_ids=[*ids("Hello "), UNKNOWN_ID, *ids("you")]
+    )
+    first = run(processor, event, tokens(1, "!"))
+    (metric,) = first.metrics
+    assert (metric.filtered_ids, metric.filtered_count, metric.prompt_tokens) == (
+        [UNKNOWN_ID],
+        1,
+        10,
+    )
+    second = run(processor, tokens(2, "?"), finish(3))
+    assert second.metrics == []
+    assert second.completions[0].filtered_prompt_ids == [UNKNOWN_ID]
+
+
+def test_idle_requests_expire_and_markers_are_forgotten(registry) -> None:
+    processor = RequestProcessor(registry, request_ttl_s=10, finished_retention_s=5)
+    run(
+        processor,
+        prompt("idle"),
+        tokens(1, "so", request_id="idle"),
+        tokens(3, "x", "idle"),
+        now=100.0,
+    )
+    run(processor, prompt("done"), finish(1, "done"), now=100.0)
+    assert processor.expire(now=104.0).dead_letters == []
+    expired = processor.expire(now=110.0)
+    assert sorted(reasons(expired)) == ["sequence_gap", "ttl_expired"]
+    ttl = next(d for d in expired.dead_letters if d.reason is DeadLetterReason.TTL_EXPIRED)
+    assert ttl.origin is None and json.loads(ttl.value)["request_id"] == "idle"
+    assert [(c.request_id, c.status, c.text) for c in expired.completions] == [
+        ("idle", "failed", "so")
+    ]
+    assert "done" not in processor.requests and {"idle", "done"} <= expired.touched
+
+
+def test_snapshot_restore_continues_exactly(registry, tmp_path: Path) -> None:
+    original = RequestProcessor(registry)
+    run(original, prompt(), tokens(1, "ab€"[:2]), tokens(3, "held"))
+    run(original, tokens(2, ids("€")[:1]))
+    snapshot = json.loads(json.dumps(original.snapshot("r")))
+    restored = RequestProcessor(registry)
+    restored.restore("r", snapshot)
+    tail = [tokens(4, ids("€")[1:] + ids("!")), finish(5)]
+    assert run(restored, *tail).completions == run(original, *tail).completions
+    assert original.snapshot("r")["kind"] == "finished"
+    restored.restore("r", None)
+    assert "r" not in restored.requests

@@ -1,0 +1,140 @@
+"""`detok run` end to end on files: outputs in input order, bad lines to the dead-letter file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit.small_tokenizers import UNKNOWN_ID, byte_level
+from workers.cli import main
+
+
+@pytest.fixture
+def tokenizer_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokenizer.json"
+    byte_level().save(str(path))
+    return path
+
+
+def generation(request_id: str, prompt: str, output: str | list[int], **extra) -> str:
+    output_ids = list(output.encode()) if isinstance(output, str) else output
+    return json.dumps(
+        {
+            "request_id": request_id,
+            "model": "bytes",
+            "prompt_token_ids": list(prompt.encode()),
+            "output_token_ids": output_ids,
+            **extra,
+        }
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_run_writes_completions_in_order_and_dead_letters_with_line_numbers(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    source = tmp_path / "in.jsonl"
+    lines = [
+        generation("b", "Say hi:", " hi 👋", finish_reason="stop"),
+        '{"request_id": "broken", ',
+        generation("a", "Count:", " 1 2 3"),
+        json.dumps(
+            {"request_id": "m", "model": "other", "prompt_token_ids": [1], "output_token_ids": [2]}
+        ),
+        "",
+        generation("s", "Fail:", [*b"ok", UNKNOWN_ID, *b"never"]),
+        generation("b", "Again", " dup"),
+    ]
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    output, dead = tmp_path / "out.jsonl", tmp_path / "dead.jsonl"
+    code = main(
+        [
+            "run",
+            "--tokenizer",
+            f"bytes={tokenizer_file}",
+            "--input",
+            str(source),
+            "--output",
+            str(output),
+            "--dead-letter",
+            str(dead),
+            "--chunk-size",
+            "2",
+        ]
+    )
+    assert code == 0
+    completions = read_jsonl(output)
+    assert [(c["request_id"], c["status"], c["text"]) for c in completions] == [
+        ("b", "ok", " hi 👋"),
+        ("a", "ok", " 1 2 3"),
+        ("s", "failed", "ok"),
+    ]
+    assert completions[0]["finish_reason"] == "stop"
+    assert str(UNKNOWN_ID) in completions[2]["error"]
+    letters = read_jsonl(dead)
+    assert [(d["line"], d["reason"]) for d in letters] == [
+        (2, "malformed_json"),
+        (4, "unknown_model"),
+        (6, "strict_decode_failure"),
+        (7, "schema_violation"),
+    ]
+    assert letters[0]["original"] == lines[1]
+    assert "already appeared" in letters[3]["error"]
+
+
+def test_chunk_size_does_not_change_completions(tmp_path: Path, tokenizer_file: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        "\n".join(generation(f"r{i}", "Prompt €", "naïve 😀 café " * i) for i in range(6)),
+        encoding="utf-8",
+    )
+    results = []
+    for chunk in ("1", "3", "16"):
+        output = tmp_path / f"out-{chunk}.jsonl"
+        assert (
+            main(
+                [
+                    "run",
+                    "--tokenizer",
+                    f"bytes={tokenizer_file}",
+                    "--input",
+                    str(source),
+                    "--output",
+                    str(output),
+                    "--chunk-size",
+                    chunk,
+                ]
+            )
+            == 0
+        )
+        results.append(output.read_text(encoding="utf-8"))
+    assert results[0] == results[1] == results[2]
+
+
+def test_unreadable_input_or_bad_spec_exit_2(tmp_path: Path, tokenizer_file: Path) -> None:
+    out = str(tmp_path / "out.jsonl")
+    missing = str(tmp_path / "missing.jsonl")
+    assert (
+        main(["run", "--tokenizer", f"bytes={tokenizer_file}", "--input", missing, "--output", out])
+        == 2
+    )
+    assert main(["run", "--tokenizer", "bytes", "--input", missing, "--output", out]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--tokenizer",
+                f"x={tmp_path / 'nope.json'}",
+                "--input",
+                missing,
+                "--output",
+                out,
+            ]
+        )
+        == 2
+    )
