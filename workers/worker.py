@@ -235,6 +235,7 @@ class Worker:
 
     def _handle(self, messages: list[Message], now: float) -> None:
         batch = []
+        records = 0  # partition EOFs and consumer errors are messages too, but not records
         offsets = self.checkpoint.offsets
         for message in messages:
             error = message.error()
@@ -247,6 +248,7 @@ class Worker:
                 log.warning("consumer error: %s", error)
                 continue
             partition = message.partition()
+            records += 1
             self.at_end.discard(partition)
             offsets[partition] = message.offset() + 1
             origin = EventOrigin(
@@ -272,7 +274,7 @@ class Worker:
             result = self.processor.process(batch, now)
             self.metrics.observe_batch(result, len(batch), time.perf_counter() - started)
             self._emit(result)
-        self.metrics.observe_consumed(len(messages), now)
+        self.metrics.observe_consumed(records, now)
 
     def _emit(self, result: BatchResult) -> None:
         deltas = self.checkpoint.deltas
