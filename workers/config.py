@@ -49,6 +49,8 @@ class WorkerSettings(BaseSettings):
     finished_retention_s: float = Field(600.0, gt=0)
     unknown_generated_ids: Literal["error", "skip"] = "error"
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    # All interfaces, so Prometheus can scrape a container; 127.0.0.1 on a shared machine.
+    metrics_host: str = "0.0.0.0"
     # Kafka client settings passed through unchanged (e.g. security), as `key=value` pairs.
     kafka_config: dict[str, str] = {}
 

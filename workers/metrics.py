@@ -122,6 +122,7 @@ class WorkerMetrics:
             ["partition"],
             registry=r,
         )
+        self._lag_partitions: set[str] = set()
         self.last_processed = Gauge(
             "detok_last_processed_timestamp_seconds",
             "When a record was last consumed (unix time)",
@@ -142,12 +143,17 @@ class WorkerMetrics:
         for model in models:
             self.prompt_ids_filtered.labels(model=model)
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Serve /metrics. All interfaces by default: Prometheus scrapes a container from outside
+        it; on a shared machine pass 127.0.0.1."""
+        start_http_server(port, addr=host, registry=self.registry)
 
     def observe_consumed(self, records: int, now: float) -> None:
-        self.records_consumed.inc(records)
-        self.last_processed.set(now)
+        """Count consumed records; a poll that returned only partition EOFs processed nothing,
+        so it must not move the last-processed timestamp."""
+        if records:
+            self.records_consumed.inc(records)
+            self.last_processed.set(now)
 
     def observe_batch(self, result: BatchResult, events: int, seconds: float) -> None:
         for event_type, count in result.events_by_type.items():
@@ -175,13 +181,24 @@ class WorkerMetrics:
         self.partitions_restoring.set(still_restoring)
 
     def consumer_statistics(self, stats_json: str) -> None:
-        """librdkafka's statistics callback: per-partition consumer lag of the input topic."""
+        """librdkafka's statistics callback: per-partition consumer lag of the input topic.
+
+        librdkafka reports -1 for partitions this consumer does not fetch (revoked ones stay in
+        its metadata); their series are removed, or a partition that moved to another worker
+        would be counted twice by `sum(detok_consumer_lag_messages)`.
+        """
         stats = json.loads(stats_json)
+        current: dict[str, int] = {}
         for topic in stats.get("topics", {}).values():
             for partition, data in topic.get("partitions", {}).items():
                 lag = data.get("consumer_lag", -1)
                 if partition != "-1" and lag >= 0:
-                    self.consumer_lag.labels(partition=partition).set(lag)
+                    current[partition] = lag
+        for partition in self._lag_partitions - current.keys():
+            self.consumer_lag.remove(partition)
+        for partition, lag in current.items():
+            self.consumer_lag.labels(partition=partition).set(lag)
+        self._lag_partitions = set(current)
 
 
 __all__ = ["WorkerMetrics"]

@@ -50,6 +50,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--request-ttl", type=float, dest="request_ttl_s", metavar="S")
     parser.add_argument("--unknown-generated-ids", choices=["error", "skip"])
     parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--metrics-host", help="interface /metrics listens on (default: all)")
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)
 
@@ -84,5 +85,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     metrics = WorkerMetrics(registry.names, registry=None)
     if settings.metrics_port is not None:
-        metrics.serve(settings.metrics_port)
+        metrics.serve(settings.metrics_port, settings.metrics_host)
     return Worker(settings, registry, metrics).run()
