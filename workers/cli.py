@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "workers.worker_command",
     "workers.replay",
     "workers.dead_letters",
+    "workers.demo",
 )
 
 

@@ -24,6 +24,9 @@ from prometheus_client import (
 from pipeline.processor import BatchResult
 from schemas.events import DeadLetterReason
 
+# Where `detok worker --metrics-port` is conventionally served: the Dockerfile, the compose file
+# and the Prometheus configurations in deploy/ all use it (a test keeps them in step).
+DEFAULT_METRICS_PORT = 9400
 EVENT_TYPES = ("prompt", "tokens", "finish")
 REBALANCE_EVENTS = ("assign", "revoke", "lost")
 # Commit and restore latencies span a few ms (a healthy broker) to seconds (restores, a slow
@@ -201,4 +204,4 @@ class WorkerMetrics:
         self._lag_partitions = set(current)
 
 
-__all__ = ["WorkerMetrics"]
+__all__ = ["DEFAULT_METRICS_PORT", "WorkerMetrics"]
