@@ -16,7 +16,8 @@ others in the batch are untouched.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 from pipeline.decode_stream import (
     DecodeRequest,
@@ -27,15 +28,22 @@ from pipeline.decode_stream import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkResult:
-    """The text a stream produced for its chunk (the partial text on error) and its error."""
+class ChunkResult(NamedTuple):
+    """The text a stream produced for its chunk (the partial text on error) and its error.
+
+    A named tuple rather than a dataclass: one is built per stream per round, and tuple
+    construction is several times cheaper than a frozen dataclass's `__init__`.
+    """
 
     text: str
     error: StrictDecodeError | InvalidTokenIdError | None = None
 
 
+# Most rounds of a busy stream emit text, but many emit nothing (held characters, empty chunks):
+# those all share this one immutable result.
 _EMPTY = ChunkResult("")
+# `ChunkResult((text, None))` without the generated `__new__`'s argument handling.
+_new_result = partial(tuple.__new__, ChunkResult)
 
 
 def decode_round(work: Sequence[tuple[DecodeStream, Sequence[int]]]) -> list[ChunkResult]:
@@ -44,17 +52,31 @@ def decode_round(work: Sequence[tuple[DecodeStream, Sequence[int]]]) -> list[Chu
     A stream may appear at most once per round (its generator holds the stream's state while it
     waits). Streams may use different tokenizers and skip flags; empty chunks are allowed.
     """
-    results: list[ChunkResult | None] = [None] * len(work)
+    results: list[ChunkResult | None] = []
+    append = results.append
+    empty = _EMPTY
+    new_result = _new_result
     waiting: list[tuple[int, DecodeStream, PushSteps, DecodeRequest]] = []
     for index, (stream, chunk) in enumerate(work):
-        steps = stream.push_steps(chunk)
-        _advance(index, stream, steps, None, results, waiting)
+        if stream.decodes_inline:
+            # Pure decoder: `push` never needs tokenizers, so no generator and no queueing.
+            try:
+                text = stream.push(chunk)
+            except StrictDecodeError as error:
+                append(ChunkResult(error.partial_text, error))
+            except InvalidTokenIdError as error:
+                append(ChunkResult("", error))
+            else:
+                append(new_result((text, None)) if text else empty)
+        else:
+            append(None)
+            _advance(index, stream, stream.push_steps(chunk), None, results, waiting)
     while waiting:
         answers = _decode_grouped(waiting)
         current, waiting = waiting, []
         for (index, stream, steps, _), texts in zip(current, answers, strict=True):
             _advance(index, stream, steps, texts, results, waiting)
-    return results  # type: ignore[return-value]  # every slot was filled by _advance
+    return results  # type: ignore[return-value]  # every slot was filled
 
 
 def _advance(

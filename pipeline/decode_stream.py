@@ -97,14 +97,18 @@ def validated_ids(token_ids: Sequence[Any]) -> list[int]:
     `tokenizers` would raise OverflowError/TypeError on these, deep inside a decode; here the
     whole sequence is checked first, so a malformed chunk changes no state.
     """
+    ids = list(token_ids)
     try:
         # C-speed check: array('I') takes exactly the ints in [0, 2**32) (and rejects the rest
-        # with OverflowError/TypeError), so prompts of thousands of ids cost no Python loop.
-        return array("I", token_ids).tolist()
+        # with OverflowError/TypeError), so prompts of thousands of ids cost no Python loop. The
+        # ids themselves are kept (`tolist` would allocate a new int object per id); `snapshot`
+        # normalizes int-likes such as numpy integers to plain ints.
+        array("I", ids)
+        return ids
     except (OverflowError, TypeError, ValueError):
         pass
     out: list[int] = []
-    for position, raw in enumerate(token_ids):
+    for position, raw in enumerate(ids):
         try:
             value = operator.index(raw)
         except TypeError:
@@ -144,6 +148,8 @@ class DecodeStream:
         "_profile",
         "_known",
         "_pure_decode",
+        "_byte_table",
+        "decodes_inline",
     )
 
     def __init__(
@@ -171,12 +177,48 @@ class DecodeStream:
         self._pure_decode: Callable[[Sequence[int]], str] | None = self._profile.pure_decode.get(
             self.skip_special_tokens
         )
+        # id -> token bytes (None = unknown) for top-level ByteLevel decoders, else None.
+        self._byte_table: list[bytes | None] | None = self._profile.byte_table.get(
+            self.skip_special_tokens
+        )
+        # True when `push` never needs `tokenizers` (pure decoder): `decode_round` then calls
+        # `push` directly instead of driving `push_steps`.
+        self.decodes_inline = self._pure_decode is not None
 
     # ----------------------------------------------------------------- public API
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Decode one chunk of generated ids; return the new text ("" if none is ready)."""
-        steps = self.push_steps(token_ids)
+        chunk = token_ids if type(token_ids) is list else list(token_ids)
+        table = self._byte_table
+        if table is not None and chunk:
+            # ByteLevel fast path. Validation rides on the table lookup: unknown ids (None) and
+            # non-ints raise TypeError, ids past the table IndexError; negative ids would index
+            # from the end, hence `min`. Any of those takes the general path, which validates and
+            # reports exactly (and, like here, changes no state before validating).
+            try:
+                raw = b"".join(map(table.__getitem__, chunk)) if min(chunk) >= 0 else None
+            except (TypeError, IndexError):
+                raw = None
+            if raw is not None:
+                if not self.prefix_seeded:
+                    # A pure decoder never yields: one `next` runs the whole seeding.
+                    next(self._seed(), None)
+                    self.prefix_seeded = True
+                if not self.prefix_index:
+                    # Settled state (see `_settle`): the window is only the ids pending since the
+                    # last emission, and per-token pushing emits the lossy UTF-8 of their bytes as
+                    # soon as it does not end in U+FFFD. One join and one decode decide the chunk.
+                    pending = self.ids
+                    if pending:
+                        raw = b"".join(map(table.__getitem__, pending)) + raw
+                    text = raw.decode("utf-8", "replace")
+                    if not text.endswith(FFFD):
+                        if pending:
+                            self.ids = []
+                        return text
+                    return self._hold_bytes(table, chunk, raw)
+        steps = self.push_steps(chunk)
         try:
             request = next(steps)
             while True:
@@ -206,11 +248,11 @@ class DecodeStream:
             "version": SNAPSHOT_VERSION,
             "skip_special_tokens": self.skip_special_tokens,
             "unknown_generated_ids": self.unknown_generated_ids,
-            "ids": list(self.ids),
+            "ids": array("I", self.ids).tolist(),
             "prefix": self.prefix,
             "prefix_index": self.prefix_index,
             "prefix_seeded": self.prefix_seeded,
-            "filtered_prompt_ids": list(self.filtered_prompt_ids),
+            "filtered_prompt_ids": array("I", self.filtered_prompt_ids).tolist(),
         }
 
     @classmethod
@@ -306,7 +348,19 @@ class DecodeStream:
         n = len(prompt)
         known = self._known
         size = len(known)
-        if n > SAFE_SUFFIX_MIN:
+        if n > SAFE_SUFFIX_MIN and self._pure_decode is not None:
+            # Pure decoder: decodes are cheap table work, so stop at the first accepted suffix
+            # (almost always the shortest one).
+            decode = self._pure_decode
+            for length in range(SAFE_SUFFIX_MIN, min(SAFE_SUFFIX_MAX, n - 1) + 1):
+                suffix = prompt[n - length :]
+                context = [t for t in suffix if t < size and known[t]]
+                if len(context) >= SAFE_SUFFIX_MIN:
+                    text = decode(context)
+                    if FFFD not in text:
+                        self._set_seed(suffix, context, text, len(context))
+                        return
+        elif n > SAFE_SUFFIX_MIN:
             # All candidate suffixes in one request (they are tiny), then the shortest accepted.
             suffixes = [
                 prompt[n - length :]
@@ -342,6 +396,39 @@ class DecodeStream:
         self.ids = context
         self.prefix = prefix
         self.prefix_index = prefix_index
+        self._settle()
+
+    def _settle(self) -> None:
+        """For ByteLevel, drop the left context once the prefix ends on a clean boundary.
+
+        Lossy UTF-8 is context free after a complete character: if `prefix` (= decode of
+        `ids[:prefix_index]`) does not end in U+FFFD, decode(ids + more) is `prefix` followed by
+        the decode of `ids[prefix_index:] + more`, so the context changes no future decision and
+        the stream is equivalent to window = the pending ids, prefix = "", prefix_index = 0. That
+        settled state is what `push`'s fast path runs on, and it keeps snapshots minimal.
+        (A prefix ending in a literal U+FFFD is conservatively treated as unclean.)
+        """
+        if self._byte_table is not None and not self.prefix.endswith(FFFD):
+            del self.ids[: self.prefix_index]
+            self.prefix = ""
+            self.prefix_index = 0
+
+    def _hold_bytes(self, table: list[bytes | None], chunk: list[int], raw: bytes) -> str:
+        """The settled ByteLevel push of a chunk whose text ends in U+FFFD (ends mid-character).
+
+        `raw` is the bytes of pending ids + chunk. Per-token pushing emits, by the chunk's end,
+        the text of the last k whose bytes decode non-empty and without a trailing U+FFFD; the
+        ids from k on stay pending. Usually k = len(chunk) - 1 (one token into a character).
+        """
+        end = len(raw)
+        for k in range(len(chunk) - 1, 0, -1):
+            end -= len(table[chunk[k]])  # type: ignore[arg-type]  # known ids: bytes, not None
+            text = raw[:end].decode("utf-8", "replace")
+            if text and not text.endswith(FFFD):
+                self.ids = chunk[k:]
+                return text
+        self.ids = self.ids + chunk
+        return ""
 
     def _push_known(self, chunk: list[int]) -> PushSteps:
         """Push ids that are all known; the text equals pushing them one at a time (spec §9.6).
@@ -400,6 +487,7 @@ class DecodeStream:
         del self.ids[:old]
         self.prefix = prefix
         self.prefix_index = end - old
+        self._settle()
         return new
 
     def _previous_emission(
