@@ -1,0 +1,57 @@
+"""How a worker fails: a fenced (zombie) worker stops with a non-zero exit and loses nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import unique_name
+from tests.integration.worker_harness import (
+    assert_deltas_cover_exactly_once,
+    completions_on,
+    make_generations,
+    models,
+    offline_completions,
+    pipeline_topics,
+    start_worker,
+    wait_exit,
+    write_jsonl,
+)
+from workers.replay import replay
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_fenced_worker_exits_non_zero_and_its_successor_finishes_exactly(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    source = write_jsonl(tmp_path / "generations.jsonl", make_generations(160, seed=31))
+    expected = offline_completions(source, models().registry())
+    names = pipeline_topics(kafka_bootstrap)
+    group = unique_name("g")
+    producer = threading.Thread(
+        target=replay,
+        args=(kafka_bootstrap, source, names.input),
+        kwargs={"rate": 60.0, "progress": False},
+    )
+    producer.start()
+    zombie = start_worker(kafka_bootstrap, names, group, instance_id="same", log_dir=tmp_path)
+    time.sleep(5)
+    # Same instance id, so the same transactional id: the newcomer's init_transactions fences
+    # the first worker, whose next commit fails fatally.
+    successor = start_worker(
+        kafka_bootstrap,
+        names,
+        group,
+        instance_id="same",
+        extra=["--exit-when-idle", "4"],
+        log_dir=tmp_path,
+    )
+    assert wait_exit(zombie) != 0
+    producer.join()
+    assert wait_exit(successor) == 0
+    assert completions_on(kafka_bootstrap, names) == expected
+    assert_deltas_cover_exactly_once(kafka_bootstrap, names, expected)
