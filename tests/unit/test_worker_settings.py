@@ -1,0 +1,65 @@
+"""Worker settings: flags override DETOK_* variables, which override defaults."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from workers.cli import build_parser
+from workers.worker_command import settings_from_args
+
+
+def parse(*argv: str):
+    return settings_from_args(build_parser().parse_args(["worker", *argv]))
+
+
+def test_environment_configures_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETOK_BOOTSTRAP_SERVERS", "kafka:9092")
+    monkeypatch.setenv("DETOK_TOKENIZERS", '["gpt2=/models/gpt2"]')
+    monkeypatch.setenv("DETOK_GUARANTEE", "at-least-once")
+    monkeypatch.setenv("DETOK_TOPICS__INPUT", "tokens.v2")
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    settings = parse()
+    assert settings.bootstrap_servers == "kafka:9092"
+    assert settings.tokenizers == ["gpt2=/models/gpt2"]
+    assert settings.guarantee == "at-least-once"
+    assert settings.topics.input == "tokens.v2"
+    assert settings.topics.completions == "detok.completions"
+    assert settings.commit_interval_ms == 250
+
+
+def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETOK_BOOTSTRAP_SERVERS", "kafka:9092")
+    monkeypatch.setenv("DETOK_COMMIT_INTERVAL_MS", "1000")
+    settings = parse(
+        "--bootstrap-servers",
+        "localhost:1",
+        "--tokenizer",
+        "m=/p",
+        "--commit-interval-ms",
+        "50",
+        "--completions-topic",
+        "done",
+    )
+    assert (settings.bootstrap_servers, settings.commit_interval_ms) == ("localhost:1", 50)
+    assert settings.topics.completions == "done" and settings.topics.input == "detok.tokens"
+
+
+def test_invalid_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DETOK_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    with pytest.raises(ValidationError):
+        parse("--tokenizer", "m=/p")  # no bootstrap servers anywhere
+    with pytest.raises(ValidationError):
+        parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p", "--commit-interval-ms", "0")
+    with pytest.raises(ValidationError):
+        parse(
+            "--bootstrap-servers",
+            "b:1",
+            "--tokenizer",
+            "m=/p",
+            "--input-topic",
+            "x",
+            "--deltas-topic",
+            "x",
+        )
