@@ -63,6 +63,8 @@ POLL_INTERVAL_S = 0.25
 # A worker that was sent SIGTERM commits and leaves the group within a commit round trip.
 STOP_BOUND_S = 30.0
 SCRAPE_TIMEOUT_S = 5.0
+# One group-description round trip; retried until WAIT_BOUND_S while the coordinator is loading.
+DESCRIBE_TIMEOUT_S = 5.0
 
 
 class DemoError(Exception):
@@ -296,8 +298,14 @@ def wait_for_assignment(bootstrap: str, group: str, workers: list[WorkerProcess]
     deadline = time.monotonic() + WAIT_BOUND_S
     while True:
         _fail_on_dead(workers)
-        description = admin.describe_consumer_groups([group])[group].result(timeout=WAIT_BOUND_S)
-        owners = [m for m in description.members if m.assignment.topic_partitions]
+        try:
+            future = admin.describe_consumer_groups([group], request_timeout=DESCRIBE_TIMEOUT_S)
+            members = future[group].result().members
+        except KafkaException:
+            # A fresh broker answers only once its group coordinator (the __consumer_offsets
+            # topic) exists, which the workers' first join creates: not yet, ask again.
+            members = []
+        owners = [m for m in members if m.assignment.topic_partitions]
         if len(owners) == len(workers):
             return
         if time.monotonic() > deadline:
