@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import operator
 from array import array
+from itertools import accumulate
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Literal
 
@@ -149,6 +150,7 @@ class DecodeStream:
         "_known",
         "_pure_decode",
         "_byte_table",
+        "_spm_table",
         "decodes_inline",
     )
 
@@ -179,6 +181,10 @@ class DecodeStream:
         )
         # id -> token bytes (None = unknown) for top-level ByteLevel decoders, else None.
         self._byte_table: list[bytes | None] | None = self._profile.byte_table.get(
+            self.skip_special_tokens
+        )
+        # id -> piece bytes (None = unknown) for the Llama-2 ByteFallback chain, else None.
+        self._spm_table: list[bytes | None] | None = self._profile.spm_table.get(
             self.skip_special_tokens
         )
         # True when `push` never needs `tokenizers` (pure decoder): `decode_round` then calls
@@ -218,6 +224,10 @@ class DecodeStream:
                             self.ids = []
                         return text
                     return self._hold_bytes(table, chunk, raw)
+        elif self._spm_table is not None and chunk:
+            text = self._push_spm(self._spm_table, chunk)
+            if text is not None:
+                return text
         steps = self.push_steps(chunk)
         try:
             request = next(steps)
@@ -430,6 +440,65 @@ class DecodeStream:
         self.ids = self.ids + chunk
         return ""
 
+    def _push_spm(self, table: list[bytes | None], chunk: list[int]) -> str | None:
+        """The Llama-2 chain's push in byte arithmetic, or None to take the general path.
+
+        While the bytes of window + chunk are valid UTF-8 (possibly missing the end of a last
+        character) and hold no literal U+FFFD, the chain is the strict decode of the pieces'
+        concatenation with one leading space stripped, and it is append-monotonic. Then
+        per-token pushing emits exactly at the *emission points*: positions whose byte offset is
+        a character boundary and beyond the last emission (see `_emission_point`). Its window
+        after the chunk is the ids from the second-to-last emission point on, with `prefix` the
+        decode of those up to the last one: this computes that state directly, with no probes.
+        It needs the context text to be non-empty (so the Strip already happened there) and
+        clean; invalid byte runs, literal U+FFFD and unknown ids take the general path.
+        """
+        try:
+            if min(chunk) < 0:  # negative ids would index the table from the end
+                return None
+            chunk_pieces = list(map(table.__getitem__, chunk))
+        except (TypeError, IndexError):  # not an int, or past the table
+            return None
+        if None in chunk_pieces:  # an unknown id
+            return None
+        if not self.prefix_seeded:
+            # A pure decoder never yields: one `next` runs the whole seeding.
+            next(self._seed(), None)
+            self.prefix_seeded = True
+        ids = self.ids
+        prefix_index = self.prefix_index
+        if not prefix_index or self.prefix.endswith(FFFD):
+            return None
+        base = len(ids)
+        pieces = list(map(table.__getitem__, ids))
+        pieces += chunk_pieces
+        raw = b"".join(pieces)  # type: ignore[arg-type]  # known ids only: no None
+        ends = list(accumulate(map(len, pieces)))  # ends[i]: byte offset after pieces[i]
+        floor = ends[prefix_index - 1]
+        if not floor:
+            return None
+        try:
+            text = raw.decode("utf-8")
+            complete = len(raw)
+        except UnicodeDecodeError as error:
+            if error.reason != "unexpected end of data":
+                return None  # an invalid run: U+FFFDs, not append-monotonic
+            complete = error.start  # bytes beyond: the start of an unfinished last character
+            text = raw[:complete].decode("utf-8")
+        if FFFD in text:
+            return None
+        last = _emission_point(ends, raw, complete, base, len(pieces), floor)
+        if last is None:
+            self.ids = ids + chunk
+            return ""
+        before = _emission_point(ends, raw, complete, base, last - 1, floor)
+        start = prefix_index if before is None else before
+        prefix = raw[ends[start - 1] : ends[last - 1]].decode("utf-8")
+        self.ids = (ids + chunk)[start:]
+        self.prefix = prefix[1:] if prefix[:1] == " " else prefix
+        self.prefix_index = last - start
+        return raw[floor : ends[last - 1]].decode("utf-8")
+
     def _push_known(self, chunk: list[int]) -> PushSteps:
         """Push ids that are all known; the text equals pushing them one at a time (spec §9.6).
 
@@ -513,3 +582,26 @@ class DecodeStream:
             if length < target:
                 return k if length > prefix_len else old
         return old
+
+
+def _emission_point(
+    ends: list[int], raw: bytes, complete: int, low: int, k: int, floor: int
+) -> int | None:
+    """The last position in (low, k] where per-token pushing emits, for `_push_spm`'s case.
+
+    Position k (k ids pushed) ends at byte `ends[k - 1]`. Per-token pushing emits there iff
+    the text is clean, i.e. the offset is a character boundary within the `complete` bytes,
+    and it grew beyond `floor` (the last emission's offset). Zero-byte ids (skipped specials)
+    repeat an offset: the emission happened at the first position reaching it.
+    """
+    size = len(raw)
+    while k > low:
+        offset = ends[k - 1]
+        if offset <= floor:
+            return None
+        if offset <= complete and (offset == size or raw[offset] & 0xC0 != 0x80):
+            while k - 1 > low and ends[k - 2] == offset:
+                k -= 1
+            return k
+        k -= 1
+    return None

@@ -106,6 +106,10 @@ class TokenizerProfile:
     byte_token: bytearray
     # id -> bytes of the token under each skip flag (None = unknown); ByteLevel only.
     byte_table: dict[bool, list[bytes | None]]
+    # id -> the token's UTF-8 piece after Replace(▁→' ') (a `<0xNN>` token: its one byte; a
+    # skipped special: b""; None = unknown) under each skip flag; Llama-2 chain only. The chain's
+    # output is the strict decode of the pieces' concatenation whenever that is valid UTF-8.
+    spm_table: dict[bool, list[bytes | None]]
 
 
 _PROFILES: dict[int, TokenizerProfile] = {}
@@ -149,6 +153,7 @@ def build_profile(tokenizer: Tokenizer, *, allow_pure: bool = True) -> Tokenizer
     kind: DecoderKind = "ffi"
     pure: dict[bool, Callable[[Sequence[int]], str]] = {}
     byte_table: dict[bool, list[bytes | None]] = {}
+    spm_table: dict[bool, list[bytes | None]] = {}
     if allow_pure and decoder is not None and decoder.get("type") == "ByteLevel":
         kind = "byte_level"
         kept = [None if t is None else byte_level_token_bytes(t) for t in tokens]
@@ -160,7 +165,9 @@ def build_profile(tokenizer: Tokenizer, *, allow_pure: bool = True) -> Tokenizer
     elif allow_pure and decoder == _SPM_BYTE_FALLBACK_DECODER:
         kind = "spm_byte_fallback"
         for skip in (False, True):
-            pure[skip] = _spm_byte_fallback_decoder(tokens, special_ids if skip else frozenset())
+            skipped = special_ids if skip else frozenset()
+            spm_table[skip] = _spm_pieces(tokens, skipped)
+            pure[skip] = _spm_byte_fallback_decoder(tokens, spm_table[skip])
     byte_token = bytearray(size)
     for i, token in enumerate(tokens):
         if token is not None and _byte_fallback_value(token) is not None:
@@ -175,6 +182,7 @@ def build_profile(tokenizer: Tokenizer, *, allow_pure: bool = True) -> Tokenizer
         has_byte_fallback="ByteFallback" in json.dumps(decoder),
         pure_decode=pure,
         byte_table=byte_table,
+        spm_table=spm_table,
     )
 
 
@@ -192,8 +200,22 @@ def _byte_level_decoder(table: list[bytes | None]) -> Callable[[Sequence[int]], 
     return decode
 
 
+def _spm_pieces(tokens: list[str | None], skipped: frozenset[int]) -> list[bytes | None]:
+    """The `spm_table` of one skip flag (see `TokenizerProfile`)."""
+    pieces: list[bytes | None] = []
+    for i, token in enumerate(tokens):
+        if token is None:
+            pieces.append(None)
+        elif i in skipped:
+            pieces.append(b"")
+        else:
+            value = _byte_fallback_value(token)
+            pieces.append(bytes([value]) if value is not None else token.replace("▁", " ").encode())
+    return pieces
+
+
 def _spm_byte_fallback_decoder(
-    tokens: list[str | None], skipped: frozenset[int]
+    tokens: list[str | None], pieces: list[bytes | None]
 ) -> Callable[[Sequence[int]], str]:
     """`decode` for Sequence[Replace(▁→' '), ByteFallback, Fuse, Strip(' ', 1, 0)].
 
@@ -206,19 +228,10 @@ def _spm_byte_fallback_decoder(
     pieces are complete UTF-8, so the concatenation is valid iff every byte run is, and then it
     equals the chain's output. Only an invalid or unfinished run takes the per-run slow path.
     """
-    pieces: list[bytes | None] = []
-    byte_of: list[int] = []  # the byte of a `<0xNN>` token, or -1
-    for i, token in enumerate(tokens):
-        if token is None:
-            pieces.append(None)
-            byte_of.append(-1)
-        elif i in skipped:
-            pieces.append(b"")
-            byte_of.append(-1)
-        else:
-            value = _byte_fallback_value(token)
-            byte_of.append(-1 if value is None else value)
-            pieces.append(bytes([value]) if value is not None else token.replace("▁", " ").encode())
+    byte_of: list[int] = []  # the byte of a (not skipped) `<0xNN>` token, or -1
+    for token, piece in zip(tokens, pieces, strict=True):
+        value = _byte_fallback_value(token) if token is not None and piece else None
+        byte_of.append(-1 if value is None else value)
     lookup = pieces.__getitem__
 
     def slow(ids: Sequence[int]) -> str:
