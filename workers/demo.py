@@ -519,8 +519,16 @@ def _run_pipeline(
 
 
 def _local_broker() -> str:
+    """Start (or reuse) this checkout's broker. If its port is held by another broker (say,
+    another clone's `detok broker start`), use that one: the demo's topics are its own."""
     try:
         running = broker.start_broker()
+    except broker.PortInUse as error:
+        bootstrap = f"{broker.LOOPBACK}:{broker.DEFAULT_PORT}"
+        if broker.answers_metadata(bootstrap):
+            _say(f"port {broker.DEFAULT_PORT} already serves a Kafka broker; using it")
+            return bootstrap
+        raise DemoError(f"the local Kafka broker did not start: {error}") from error
     except broker.BrokerError as error:
         raise DemoError(f"the local Kafka broker did not start: {error}") from error
     return running.bootstrap_servers
