@@ -6,7 +6,10 @@ Methods (tokens/s = generated tokens / wall time, median over repeats in rotatin
   (b) our `DecodeStream.push` per request, 16-id chunks;
   (c) our `decode_round`, continuous rounds over `--active` requests, refilled as they finish;
   (d) one `decode_batch` over all full generations (no streaming: the library's limit).
-Outputs of (b) and (c) are checked equal for every request. No timing is asserted anywhere.
+Every method gets its input in the shape it consumes, prepared outside the timings: (a) and (d)
+the generation lists, (b) and (c) the generations already split into 16-id chunks (the shape token
+events arrive in). Outputs of (b) and (c) are checked equal for every request, and (b) against
+(a). No timing is asserted anywhere.
 
     python -m bench.bench_core [--shared-dir ../shared] [--tokenizers gpt2,llama-spm] [--json]
 """
@@ -58,19 +61,23 @@ def method_hf_stream(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]:
     return outs
 
 
-def method_push(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]:
+def method_push(
+    tok: Tokenizer, reqs: list[dict[str, Any]], chunked: list[list[list[int]]]
+) -> list[str]:
     outs = []
-    for r in reqs:
+    for r, chunks in zip(reqs, chunked, strict=True):
         stream = DecodeStream(
             tok, r["prompt_token_ids"], skip_special_tokens=r["skip_special_tokens"]
         )
-        parts = [stream.push(c) for c in chunks_of(r["output_token_ids"])]
+        parts = [stream.push(c) for c in chunks]
         parts.append(stream.flush())
         outs.append("".join(parts))
     return outs
 
 
-def method_batched(tok: Tokenizer, reqs: list[dict[str, Any]], active: int) -> list[str]:
+def method_batched(
+    tok: Tokenizer, reqs: list[dict[str, Any]], chunked: list[list[list[int]]], active: int
+) -> list[str]:
     outs: list[list[str]] = [[] for _ in reqs]
     pending = iter(range(len(reqs)))
     live: list[tuple[int, DecodeStream, list[list[int]], int]] = []
@@ -81,7 +88,7 @@ def method_batched(tok: Tokenizer, reqs: list[dict[str, Any]], active: int) -> l
             s = DecodeStream(
                 tok, r["prompt_token_ids"], skip_special_tokens=r["skip_special_tokens"]
             )
-            live.append((i, s, chunks_of(r["output_token_ids"]), 0))
+            live.append((i, s, chunked[i], 0))
             if len(live) >= active:
                 return
 
@@ -121,11 +128,12 @@ def bench_tokenizer(
     tok = Tokenizer.from_file(str(path))
     reqs = generations(tok, model=name, requests=requests)
     generated = sum(len(r["output_token_ids"]) for r in reqs)
+    chunked = [chunks_of(r["output_token_ids"]) for r in reqs]
     DecodeStream(tok, [1, 2, 3]).push([4])  # build the tokenizer profile outside the timings
     methods: dict[str, Callable[[], list[str]]] = {
         "a": lambda: method_hf_stream(tok, reqs),
-        "b": lambda: method_push(tok, reqs),
-        "c": lambda: method_batched(tok, reqs, active),
+        "b": lambda: method_push(tok, reqs, chunked),
+        "c": lambda: method_batched(tok, reqs, chunked, active),
         "d": lambda: method_decode_batch(tok, reqs),
     }
     times: dict[str, list[float]] = {k: [] for k in methods}
@@ -185,16 +193,16 @@ def main() -> None:
         return
     for res in results:
         print(
-            f"\n{res['tokenizer']}: {res['requests']} requests, {res['generated_tokens']:,} generated tokens, "
-            f"median of {res['repeats']}"
+            f"\n{res['tokenizer']}: {res['requests']} requests, "
+            f"{res['generated_tokens']:,} generated tokens, median of {res['repeats']}"
         )
         print("| method | tok/s | ratio to (d) | ratio to (a) |\n|---|---:|---:|---:|")
         for k, label in LABELS.items():
-            print(
-                f"| {label} | {res['tok_per_s'][k] / 1e3:,.0f} k | {res['ratio_to_d'][k]:.3f} | {res['ratio_to_a'][k]:.2f} |"
-            )
+            rate, to_d, to_a = res["tok_per_s"][k], res["ratio_to_d"][k], res["ratio_to_a"][k]
+            print(f"| {label} | {rate / 1e3:,.0f} k | {to_d:.3f} | {to_a:.2f} |")
         print(
-            f"outputs (b) vs (c): {res['mismatches_b_vs_c']} mismatches; (b) vs (a): {res['mismatches_b_vs_a']}"
+            f"outputs (b) vs (c): {res['mismatches_b_vs_c']} mismatches; "
+            f"(b) vs (a): {res['mismatches_b_vs_a']}"
         )
 
 

@@ -18,8 +18,8 @@ from tokenizers import Tokenizer
 PROSE = [
     "The committee met on Tuesday to review the quarterly figures, which showed a modest rise in "
     "revenue despite the slowdown in the northern region.",
-    "She walked along the river at dawn, counting the herons that stood motionless in the shallows, "
-    "and wondered whether the bridge would be finished before winter.",
+    "She walked along the river at dawn, counting the herons that stood motionless in the "
+    "shallows, and wondered whether the bridge would be finished before winter.",
     "Incremental detokenization turns a stream of token ids into text without ever emitting half "
     "of a character, which matters more than it sounds for languages outside ASCII.",
     "In 1887 the observatory recorded a comet whose tail, according to the logbook, stretched "

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import operator
 from array import array
-from itertools import accumulate
 from collections.abc import Callable, Generator, Sequence
+from itertools import accumulate
 from typing import Any, Literal
 
 from tokenizers import Tokenizer
@@ -56,7 +56,7 @@ PushSteps = Generator[DecodeRequest, list[str], str]
 
 
 class InvalidTokenIdError(ValueError):
-    """A token id that is not an integer in [0, 2**32): malformed input, rejected before decoding."""
+    """A token id that is not an integer in [0, 2**32): malformed input, rejected up front."""
 
 
 class StrictDecodeError(Exception):
@@ -542,7 +542,7 @@ class DecodeStream:
         return ""
 
     def _emit_at(self, end: int, text: str) -> PushSteps:
-        """Emit `text` (= decode(ids[:end])) beyond the prefix and slide the window to `ids[old:]`."""
+        """Emit `text` (= decode(ids[:end])) beyond the prefix; slide the window to `ids[old:]`."""
         new = slice_from_byte(text, utf8_len(self.prefix))
         old = self.prefix_index
         if self._profile.has_byte_fallback and self._profile.byte_token[self.ids[end - 1]]:

@@ -32,7 +32,8 @@ FFFD = "\ufffd"
 
 DecoderKind = Literal["byte_level", "spm_byte_fallback", "ffi"]
 
-# The exact decoder JSON of Llama-2 style SentencePiece tokenizers (llama-spm, TinyLlama, Mistral v1).
+# The exact decoder JSON of Llama-2 style SentencePiece tokenizers (llama-spm, TinyLlama,
+# Mistral v1).
 # Only this exact chain is emulated; any variation (other Strip counts, extra steps) uses the FFI.
 _SPM_BYTE_FALLBACK_DECODER = {
     "type": "Sequence",
@@ -46,7 +47,7 @@ _SPM_BYTE_FALLBACK_DECODER = {
 
 
 def _gpt2_unicode_to_byte() -> dict[str, int]:
-    """GPT-2's `bytes_to_unicode` table, inverted: the char each byte is spelled with, -> the byte."""
+    """GPT-2's `bytes_to_unicode` table, inverted: the char spelling each byte -> the byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
     printable += range(ord("®"), ord("ÿ") + 1)
     chars = {b: chr(b) for b in printable}
@@ -129,7 +130,7 @@ def profile_for(tokenizer: Tokenizer) -> TokenizerProfile:
 
 
 def register_profile(profile: TokenizerProfile) -> None:
-    """Install a profile explicitly (tests use it to force the FFI path on a pure-decodable tokenizer)."""
+    """Install a profile explicitly (tests force the FFI path on a pure-decodable tokenizer)."""
     with _LOCK:
         _PROFILES[id(profile.tokenizer)] = profile
 
@@ -189,8 +190,8 @@ def build_profile(tokenizer: Tokenizer, *, allow_pure: bool = True) -> Tokenizer
 def _byte_level_decoder(table: list[bytes | None]) -> Callable[[Sequence[int]], str]:
     """`decode` for a top-level ByteLevel decoder: lossy UTF-8 of the concatenated token bytes.
 
-    Python's `bytes.decode("utf-8", "replace")` matches Rust's `String::from_utf8_lossy` (spec §4.3);
-    the tests re-check it on every tokenizer. Callers pass only known ids.
+    Python's `bytes.decode("utf-8", "replace")` matches Rust's `String::from_utf8_lossy`
+    (spec §4.3); the tests re-check it on every tokenizer. Callers pass only known ids.
     """
     lookup = table.__getitem__
 

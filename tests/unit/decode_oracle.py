@@ -1,4 +1,4 @@
-"""An independent per-token reference for DecodeStream (spec §9.4-9.5), straight on `Tokenizer.decode`.
+"""An independent per-token reference for DecodeStream (spec §9.4-9.5), on `Tokenizer.decode`.
 
 Line-by-line the upstream Rust algorithm (`seed_prefix`, `push_token`, `flush`) plus the prompt-tail
 fix, with none of the production code's chunking, probes, pure decoders or prefix reuse.

@@ -54,7 +54,7 @@ def metaspace() -> Tokenizer:
 
 @cache
 def byte_fallback() -> Tokenizer:
-    """Llama-2 style: `<0xNN>` byte tokens at 3..258 and the Replace/ByteFallback/Fuse/Strip chain."""
+    """Llama-2 style: `<0xNN>` byte tokens at 3..258, the Replace/ByteFallback/Fuse/Strip chain."""
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES[3:]
     vocab = {piece: i for i, piece in enumerate(pieces)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))

@@ -1,4 +1,4 @@
-"""Hypothesis properties of DecodeStream and decode_round on every small tokenizer family (spec §10).
+"""Hypothesis properties of DecodeStream and decode_round on each small tokenizer family (§10).
 
 The reference is `OracleStream`, an independent per-token port of upstream on `Tokenizer.decode`.
 Each family runs twice: with its pure Python decoder (if it has one) and through `tokenizers`
@@ -34,7 +34,7 @@ def tokenizer(name: str, ffi: bool):
 
 
 def token_ids(name: str, *, unknown: bool) -> st.SearchStrategy[list[int]]:
-    """Mixed ids: random vocab ids, byte tokens of real multi-byte text, raw (often invalid) bytes."""
+    """Mixed ids: random vocab ids, byte tokens of multi-byte text, raw (often invalid) bytes."""
     size = vocab_size(FAMILIES[name]())
     as_bytes = {"byte_level": lambda b: b, "byte_fallback": spm_byte}.get(name)
     parts = [st.lists(st.integers(0, size - 1), min_size=1, max_size=4)]
