@@ -38,6 +38,7 @@ from types import ModuleType
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer
 
 from workers import broker
 from workers.metrics import DEFAULT_METRICS_PORT
@@ -155,8 +156,6 @@ def _load_workload() -> ModuleType:
 
 def write_sample(path: Path, tokenizers: dict[str, Path], requests_per_model: int) -> Sample:
     """Generate the demo's logged generations (deterministically) into `path`."""
-    from tokenizers import Tokenizer
-
     workload = _load_workload()
     rng = random.Random(20240501)
     per_model = {}
@@ -513,7 +512,7 @@ def _run_pipeline(
     scrapes = wait_all_consumed(workers, totals.events)
     pipeline_s = time.monotonic() - pipeline_started
     write_completions(sample.path.with_name("completions.kafka.jsonl"), received)
-    report = _checks(expected, received, scrapes)
+    report = _checks(sample, expected, received, scrapes)
     _print_summary(sample, totals.events, expected, scrapes, workers, offline_s, pipeline_s)
     return report
 
@@ -534,8 +533,16 @@ def _local_broker() -> str:
     return running.bootstrap_servers
 
 
-def _checks(expected: dict[str, dict], received: dict, scrapes: list[dict]) -> Report:
+def _checks(
+    sample: Sample, expected: dict[str, dict], received: dict, scrapes: list[dict]
+) -> Report:
     report = Report()
+    failed = sum(c["status"] == "failed" for c in expected.values())
+    report.check(
+        "the oracle fails exactly the requests with a generated id outside the vocabulary",
+        failed == sample.strict_failures,
+        f"{failed} failed, {sample.strict_failures} planted",
+    )
     kafka = {rid: json.loads(c.model_dump_json()) for rid, c in received.items()}
     report.check(
         "every request completed on Kafka",
