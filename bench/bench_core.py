@@ -80,7 +80,8 @@ def method_batched(
 ) -> list[str]:
     outs: list[list[str]] = [[] for _ in reqs]
     pending = iter(range(len(reqs)))
-    live: list[tuple[int, DecodeStream, list[list[int]], int]] = []
+    # Live requests as [stream, its chunks, next chunk position, its output parts].
+    live: list[list[Any]] = []
 
     def admit() -> None:
         for i in pending:
@@ -88,22 +89,23 @@ def method_batched(
             s = DecodeStream(
                 tok, r["prompt_token_ids"], skip_special_tokens=r["skip_special_tokens"]
             )
-            live.append((i, s, chunked[i], 0))
+            live.append([s, chunked[i], 0, outs[i]])
             if len(live) >= active:
                 return
 
     admit()
     while live:
-        results = decode_round([(s, cs[pos]) for _, s, cs, pos in live])
-        still = []
-        for (i, s, cs, pos), res in zip(live, results, strict=True):
-            outs[i].append(res.text)
-            if pos + 1 < len(cs):
-                still.append((i, s, cs, pos + 1))
-            else:
-                outs[i].append(s.flush())
-        live[:] = still
-        admit()
+        results = decode_round([(entry[0], entry[1][entry[2]]) for entry in live])
+        finished = False
+        for entry, result in zip(live, results, strict=True):
+            entry[3].append(result.text)
+            entry[2] += 1
+            if entry[2] == len(entry[1]):
+                entry[3].append(entry[0].flush())
+                finished = True
+        if finished:
+            live[:] = [entry for entry in live if entry[2] < len(entry[1])]
+            admit()
     return ["".join(o) for o in outs]
 
 
