@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pipeline.batch import decode_round
 from pipeline.decode_stream import DecodeStream, StrictDecodeError
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
+from pipeline.vocab_tables import profile_for
 from schemas.events import (
     INPUT_EVENT_ADAPTER,
     Completion,
@@ -189,6 +190,12 @@ class RequestProcessor:
         # comes later than this is treated as a fresh (orphan) event.
         self.finished_retention_s = finished_retention_s
         self.requests: dict[str, RequestState] = {}
+
+    def warm_up(self) -> None:
+        """Build every model's decode tables now rather than inside the first batch that needs
+        them: that costs a few hundred ms per tokenizer, a latency spike nobody should see."""
+        for name in self.registry.names:
+            profile_for(self.registry.get(name).tokenizer)
 
     # -- the batch ----------------------------------------------------------------------------
 

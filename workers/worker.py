@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import signal
 import time
 from collections.abc import Iterable
@@ -57,9 +58,56 @@ COMMIT_ATTEMPTS = 3
 COMMIT_RETRY_BACKOFF_S = 1.0
 # TTL sweeps walk every request; once a second is plenty for TTLs measured in minutes.
 EXPIRE_INTERVAL_S = 1.0
+# The restore consumer's fetch wait and consume timeout: short, because it only reads to EOF.
+RESTORE_FETCH_WAIT_MS = 10
+RESTORE_CONSUME_TIMEOUT_S = 0.05
+# Offset commits that fail because the group is rebalancing: under at-least-once the partition's
+# next owner (maybe us) re-consumes from the last commit, so these are not fatal.
+REBALANCE_COMMIT_ERRORS = frozenset(
+    {
+        KafkaError.ILLEGAL_GENERATION,
+        KafkaError.REBALANCE_IN_PROGRESS,
+        KafkaError.UNKNOWN_MEMBER_ID,
+        KafkaError._ASSIGNMENT_LOST,
+    }
+)
 # Header on changelog records: the input offset the snapshot reflects (Quix's pattern). Under
 # at-least-once, a snapshot written ahead of the committed offset is skipped on restore.
 PROCESSED_OFFSET_HEADER = "__detok.processed_offset"
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now (Linux /proc), for the run summary's memory-per-request figure."""
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+@dataclass
+class RunStats:
+    """What one worker did, logged as one JSON line at exit so a benchmark can time the worker
+    itself (first consumed record to last commit), not the replay in front of it."""
+
+    first_consume_at: float | None = None  # wall clock, comparable across worker processes
+    last_commit_at: float | None = None
+    records: int = 0
+    generated_tokens: int = 0
+    commits: int = 0
+    rss_at_first_consume: int = 0
+
+    def summary(self, active_requests: int) -> str:
+        return json.dumps(
+            {
+                "first_consume_at": self.first_consume_at,
+                "last_commit_at": self.last_commit_at,
+                "records": self.records,
+                "generated_tokens": self.generated_tokens,
+                "commits": self.commits,
+                "rss_at_first_consume": self.rss_at_first_consume,
+                "rss_at_exit": current_rss_bytes(),
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "active_requests": active_requests,
+            }
+        )
 
 
 class FatalWorkerError(Exception):
@@ -101,6 +149,7 @@ class Worker:
             request_ttl_s=settings.request_ttl_s,
             finished_retention_s=settings.finished_retention_s,
         )
+        self.processor.warm_up()
         self.owner: dict[str, int] = {}  # request id -> input partition
         self.assigned: set[int] = set()
         self.restoring: set[int] = set()
@@ -113,6 +162,7 @@ class Worker:
         self._delivery_error: KafkaError | None = None
         # False once the worker stops on a fatal error: leaving the group must not commit then.
         self._commit_on_revoke = True
+        self.stats = RunStats()
         self.consumer = Consumer(self._consumer_config())
         self.producer = Producer(self._producer_config())
 
@@ -187,6 +237,7 @@ class Worker:
             self._close(abort=True)
             return 1
         self._close(abort=False)
+        log.info("run summary %s", self.stats.summary(self.processor.active_requests))
         return 0
 
     def _stop(self, signum: int, frame: object) -> None:
@@ -227,13 +278,19 @@ class Worker:
         idle_limit = self.settings.exit_when_idle_s
         # A worker that was never assigned anything has not seen the input yet (its group may
         # still be waiting for a dead member's session to expire); it must not call that idle.
-        if idle_limit is None or not self.ever_assigned or self.restoring:
+        # An empty assignment is not "at the end": in a cooperative rebalance a joining member
+        # first gets nothing and its partitions a round later.
+        if idle_limit is None or not self.assigned or self.restoring:
             return False
         if not self.at_end >= self.assigned:
             return False
         return time.monotonic() - self.last_message_at >= idle_limit
 
     def _handle(self, messages: list[Message], now: float) -> None:
+        if self.stats.first_consume_at is None:
+            self.stats.first_consume_at = now
+            self.stats.rss_at_first_consume = current_rss_bytes()
+        self.stats.records += len(messages)
         batch = []
         records = 0  # partition EOFs and consumer errors are messages too, but not records
         offsets = self.checkpoint.offsets
@@ -273,6 +330,7 @@ class Worker:
             started = time.perf_counter()
             result = self.processor.process(batch, now)
             self.metrics.observe_batch(result, len(batch), time.perf_counter() - started)
+            self.stats.generated_tokens += result.decoded_tokens
             self._emit(result)
         self.metrics.observe_consumed(records, now)
 
@@ -353,6 +411,9 @@ class Worker:
         else:
             committed = self._commit_at_least_once(offsets)
         self.checkpoint = _Checkpoint.fresh()
+        if committed:
+            self.stats.commits += 1
+            self.stats.last_commit_at = time.time()
         self.metrics.observe_commit(time.perf_counter() - started, committed)
         self.metrics.active_requests.set(self.processor.active_requests)
 
@@ -408,7 +469,17 @@ class Worker:
                 "offsets left uncommitted so a restart reprocesses them"
             )
         if offsets:
-            self.consumer.commit(offsets=offsets, asynchronous=False)
+            try:
+                self.consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exception:
+                error: KafkaError = exception.args[0]
+                if error.code() not in REBALANCE_COMMIT_ERRORS and not error.retriable():
+                    raise
+                # Outputs are delivered; only the offsets were refused. Whoever owns the
+                # partitions next re-consumes from the previous commit: duplicates, which
+                # at-least-once allows, and the changelog skips snapshots ahead of the commit.
+                log.warning("offset commit refused during a rebalance (%s)", error)
+                return False
         return True
 
     def _on_delivery(self, error: KafkaError | None, message: Message) -> None:
@@ -440,6 +511,7 @@ class Worker:
         # (a slow callback is how Quix Streams' workers livelocked in rebalance loops).
         consumer.incremental_assign(partitions)
         numbers = [tp.partition for tp in partitions]
+        log.info("assigned partitions %s", numbers)
         self.assigned.update(numbers)
         self.ever_assigned = True
         self._begin_restore(numbers)
@@ -447,6 +519,7 @@ class Worker:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         numbers = [tp.partition for tp in partitions]
+        log.info("revoked partitions %s", numbers)
         self.metrics.rebalances.labels(event="revoke").inc()
         if self._commit_on_revoke:
             try:
@@ -504,9 +577,15 @@ class Worker:
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",
                 "enable.partition.eof": True,
+                # The restore reads what is already there; a broker holding a fetch open for
+                # data that will never come (the default 500 ms) only delays the EOF.
+                "fetch.wait.max.ms": RESTORE_FETCH_WAIT_MS,
                 **self.settings.kafka_config,
             }
         )
+        # Without metadata at hand, librdkafka looks it up on its own slower schedule: asking
+        # first took an empty restore from ~2 s to ~0.1 s.
+        restore_consumer.list_topics(self.topics.changelog, KAFKA_TIMEOUT_S)
         restore_consumer.assign(
             [TopicPartition(self.topics.changelog, p, OFFSET_BEGINNING) for p in partitions]
         )
@@ -514,7 +593,9 @@ class Worker:
         remaining = set(partitions)
         try:
             while remaining:
-                for message in restore_consumer.consume(10_000, 0.5):
+                # consume() waits out its whole timeout unless the batch fills, so a short
+                # timeout lets the loop see each partition's EOF as soon as it arrives.
+                for message in restore_consumer.consume(10_000, RESTORE_CONSUME_TIMEOUT_S):
                     error = message.error()
                     if error is not None:
                         if error.code() == KafkaError._PARTITION_EOF:

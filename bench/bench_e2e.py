@@ -1,0 +1,690 @@
+"""End-to-end throughput through Kafka, side by side with the in-process core, in one run.
+
+On the local broker (`detok broker start`, or one this script starts), with real tokenizers:
+
+  core        `RequestProcessor.process` over the same events, cut into the worker's consume
+              batches (no Kafka, no parsing): the ceiling the worker is measured against;
+  e2e         the workload is replayed first, then 1 and 2 `detok worker` processes drain it
+              under exactly-once and at-least-once; generated tokens / (last commit - first
+              consume), both taken from the workers' own `run summary` log lines, so replay
+              speed and process start-up are not part of the figure;
+  latency     one exactly-once worker live while events arrive at half the measured one-worker
+              rate; delay from each event's produce time to the moment a read_committed reader
+              receives the delta covering it (p50/p99);
+  memory      RSS growth of a worker per 10,000 active (started, unfinished) requests, as the
+              slope between two fill levels so fixed costs (tokenizers, client buffers) cancel;
+  restore     kill -9 of that worker, then the restore time its successor logs.
+
+No figure is asserted; targets are printed next to each figure as ratios measured in this run.
+
+    python -m bench.bench_e2e [--requests 20000] [--quick] [--json] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from tokenizers import Tokenizer
+
+from bench.workload import generations
+from pipeline.generations import generation_events
+from pipeline.processor import EventOrigin, RequestProcessor
+from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import LoggedGeneration
+from schemas.validation import parse_event
+from workers.broker import answers_metadata, start_broker
+from workers.replay import replay, replay_events
+from workers.topics import TopicNames, ensure_topics
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 16
+PARTITIONS = 8
+# The worker's default consume batch; the core is fed batches of the same size so that the
+# ratio compares like with like (one decode round per batch in both).
+CORE_BATCH = 2000
+COMMIT_INTERVAL_MS = 250
+# A run that takes longer than this is stuck (the full run drains in well under a minute).
+WAIT_BOUND_S = 600.0
+DEFAULT_TOKENIZERS = ("gpt2", "llama-spm", "qwen2-from-tiktoken")
+SUMMARY = re.compile(r"run summary (\{.*\})")
+RESTORED = re.compile(r"restored (\d+) requests of partitions .* in ([0-9.]+)s")
+
+
+@dataclass
+class Workload:
+    path: Path
+    records: list[dict[str, Any]]
+    generated_tokens: int
+    specs: list[str]
+
+    @property
+    def requests(self) -> int:
+        return len(self.records)
+
+
+@dataclass
+class WorkerRun:
+    label: str
+    workers: int
+    guarantee: str
+    seconds: float
+    generated_tokens: int
+    peak_rss: int
+    summaries: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+
+# -- workload -----------------------------------------------------------------------------------
+
+
+def build_workload(shared: Path, names: list[str], requests: int, cache: Path) -> Workload:
+    """Generations split evenly over the tokenizers, cached: generating 20k takes ~20 s."""
+    specs = [f"{name}={shared / 'tokenizers' / name / 'tokenizer.json'}" for name in names]
+    path = cache / f"e2e-{'-'.join(names)}-{requests}.jsonl"
+    if not path.exists():
+        records: list[dict[str, Any]] = []
+        for index, name in enumerate(names):
+            tokenizer = Tokenizer.from_file(str(shared / "tokenizers" / name / "tokenizer.json"))
+            count = requests // len(names) + (index < requests % len(names))
+            # Prompts of 32-256 ids and 100-400 generated ids: ~250 generated tokens a request,
+            # so 20,000 requests are the ~5M generated tokens the issue asks for.
+            records += generations(
+                tokenizer,
+                model=name,
+                requests=count,
+                prompt_tokens=(32, 256),
+                output_tokens=(100, 400),
+                seed=index,
+            )
+        random.Random(0).shuffle(records)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        tmp.rename(path)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    tokens = sum(len(r["output_token_ids"]) for r in records)
+    return Workload(path, records, tokens, specs)
+
+
+def registry_of(workload: Workload) -> TokenizerRegistry:
+    return TokenizerRegistry.from_specs(workload.specs)
+
+
+# -- core ---------------------------------------------------------------------------------------
+
+
+def core_throughput(workload: Workload) -> float:
+    """Generated tokens/s of the processor alone over the replay's event order and batch cut."""
+    lines = workload.path.read_bytes().splitlines()
+    parsed = [
+        (parse_event(value), EventOrigin("bench", 0, offset, value))
+        for offset, (_, value) in enumerate(replay_events(iter(lines), CHUNK))
+    ]
+    registry = registry_of(workload)
+    processor = RequestProcessor(registry)
+    processor.warm_up()
+    started = time.perf_counter()
+    for start in range(0, len(parsed), CORE_BATCH):
+        processor.process(parsed[start : start + CORE_BATCH])
+    return workload.generated_tokens / (time.perf_counter() - started)
+
+
+# -- Kafka plumbing -----------------------------------------------------------------------------
+
+
+def topics(prefix: str, input_topic: str | None = None) -> TopicNames:
+    return TopicNames(
+        input=input_topic or f"{prefix}.tokens",
+        deltas=f"{prefix}.deltas",
+        completions=f"{prefix}.completions",
+        metrics=f"{prefix}.metrics",
+        dead_letters=f"{prefix}.dead-letters",
+        changelog=f"{prefix}.changelog",
+    )
+
+
+def worker_command(
+    bootstrap: str, names: TopicNames, group: str, specs: list[str], *extra: str
+) -> list[str]:
+    command = [sys.executable, "-m", "workers.cli", "worker", "--bootstrap-servers", bootstrap]
+    command += ["--group", group, "--commit-interval-ms", str(COMMIT_INTERVAL_MS)]
+    for spec in specs:
+        command += ["--tokenizer", spec]
+    for role, name in names.model_dump().items():
+        command += [f"--{role.replace('_', '-')}-topic", name]
+    return [*command, *extra]
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    handle = log.open("w")
+    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT)
+
+
+def attach_profiler(pid: int, output: Path) -> subprocess.Popen:
+    """py-spy on a running worker; `--idle` so time spent waiting on decode_batch's threads or
+    on the broker shows up too. It stops by itself when the worker exits."""
+    command = ["py-spy", "record", "-r", "200", "--idle", "-f", "raw", "-o", str(output)]
+    return subprocess.Popen(
+        [*command, "--pid", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def wait_for(predicate: Any, what: str, bound_s: float = WAIT_BOUND_S) -> None:
+    deadline = time.monotonic() + bound_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-offsets"})
+    try:
+        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), 30)[1] for p in parts}
+    finally:
+        consumer.close()
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str, parts: list[int]) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        committed = consumer.committed([TopicPartition(topic, p) for p in parts], 30)
+        return {tp.partition: tp.offset for tp in committed}
+    finally:
+        consumer.close()
+
+
+def summaries(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(m.group(1)) for m in SUMMARY.finditer(log.read_text())]
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+
+def run_workers(
+    bootstrap: str,
+    workload: Workload,
+    input_topic: str,
+    workers: int,
+    guarantee: str,
+    logs: Path,
+    profile: Path | None,
+) -> WorkerRun:
+    label = f"{workers} worker{'s' if workers > 1 else ''}, {guarantee}"
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    names = topics(prefix, input_topic)
+    ensure_topics(bootstrap, names, PARTITIONS)
+    group = f"{prefix}-group"
+    processes = []
+    for index in range(workers):
+        log = logs / f"{prefix}-{index}.log"
+        command = worker_command(
+            bootstrap,
+            names,
+            group,
+            workload.specs,
+            "--guarantee",
+            guarantee,
+            "--instance-id",
+            f"{prefix}-{index}",
+        )
+        processes.append((start(command, log), log))
+    profiler = None
+    if profile is not None:
+        profiler = attach_profiler(processes[0][0].pid, profile)
+    # Done when the group has committed every input offset; then SIGTERM, and each worker logs
+    # its summary. (`--exit-when-idle` cannot tell "done" from "between two rebalance rounds".)
+    ends = end_offsets(bootstrap, input_topic)
+    wait_for(
+        lambda: committed_offsets(bootstrap, group, input_topic, list(ends)) == ends,
+        f"{label} to commit the whole input",
+    )
+    found = []
+    for process, log in processes:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(WAIT_BOUND_S)
+        if code != 0:
+            raise RuntimeError(f"worker exited {code}; see {log}")
+        found += summaries(log)
+    if profiler is not None:
+        profiler.wait(60)
+    first = min(s["first_consume_at"] for s in found if s["first_consume_at"])
+    last = max(s["last_commit_at"] for s in found if s["last_commit_at"])
+    tokens = sum(s["generated_tokens"] for s in found)
+    if tokens != workload.generated_tokens:
+        raise RuntimeError(f"{label}: decoded {tokens} of {workload.generated_tokens} tokens")
+    peak = max(s["peak_rss"] for s in found)
+    return WorkerRun(label, workers, guarantee, last - first, tokens, peak, found)
+
+
+def check_completions(bootstrap: str, workload: Workload, topic: str) -> int:
+    """How many committed completions differ from the workload's expectation (count only)."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-check-{uuid.uuid4().hex}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+        }
+    )
+    parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+    consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+    seen: set[str] = set()
+    remaining = set(parts)
+    try:
+        while remaining:
+            for message in consumer.consume(5000, 1.0):
+                if message.error():
+                    if message.error().code() == KafkaError._PARTITION_EOF:
+                        remaining.discard(message.partition())
+                    continue
+                seen.add(message.key().decode())
+    finally:
+        consumer.close()
+    return workload.requests - len(seen)
+
+
+# -- latency ------------------------------------------------------------------------------------
+
+
+def timed_events(records: list[dict[str, Any]]) -> list[tuple[bytes, bytes, int]]:
+    """(key, value, seq) in replay order, encoded up front so pacing measures nothing else."""
+    lines = iter(json.dumps(r).encode() for r in records)
+    out = []
+    for key, value in replay_events(lines, CHUNK):
+        out.append((key or b"", value, json.loads(value)["seq"]))
+    return out
+
+
+def latency_run(
+    bootstrap: str, workload: Workload, tokens_per_s: float, seconds: float, logs: Path
+) -> dict[str, Any]:
+    """p50/p99 of produce -> committed delta, one exactly-once worker at `tokens_per_s`."""
+    prefix = f"bench-lat-{uuid.uuid4().hex[:8]}"
+    names = topics(prefix)
+    ensure_topics(bootstrap, names, PARTITIONS)
+    per_request = workload.generated_tokens / workload.requests
+    count = min(workload.requests, max(50, int(tokens_per_s * seconds / per_request)))
+    events = timed_events(workload.records[:count])
+    tokens = sum(len(r["output_token_ids"]) for r in workload.records[:count])
+    events_per_s = len(events) * tokens_per_s / tokens
+    log = logs / f"{prefix}.log"
+    command = worker_command(
+        bootstrap, names, f"{prefix}-group", workload.specs, "--instance-id", prefix
+    )
+    worker = start(command, log)
+    received: dict[tuple[str, int], float] = {}
+    reader_done = threading.Event()
+    reader = threading.Thread(
+        target=_read_deltas, args=(bootstrap, names.deltas, received, reader_done), daemon=True
+    )
+    reader.start()
+    try:
+        wait_for(lambda: "restored" in log.read_text(), "the latency worker's assignment")
+        produced = _paced_produce(bootstrap, names.input, events, events_per_s)
+        finals = set({k.decode(): s for k, _, s in events}.items())  # the finish: last seq
+        wait_for(lambda: finals <= received.keys(), "every request's final delta", bound_s=120)
+    finally:
+        reader_done.set()
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(60)
+    delays = []
+    for (request_id, seq), at in produced.items():
+        if seq == 0:
+            continue  # prompts produce no delta of their own
+        delays.append(received[(request_id, _covering(received, request_id, seq))] - at)
+    delays.sort()
+    return {
+        "events_per_s": events_per_s,
+        "tokens_per_s": tokens_per_s,
+        "events": len(events),
+        "p50_ms": 1000 * statistics.median(delays),
+        "p99_ms": 1000 * delays[int(0.99 * (len(delays) - 1))],
+        "max_ms": 1000 * delays[-1],
+    }
+
+
+def _covering(received: dict[tuple[str, int], float], request_id: str, seq: int) -> int:
+    """The seq_end of the delta that covers `seq` (the first delta ending at or after it)."""
+    while (request_id, seq) not in received:
+        seq += 1
+    return seq
+
+
+def _read_deltas(
+    bootstrap: str,
+    topic: str,
+    received: dict[tuple[str, int], float],
+    done: threading.Event,
+) -> None:
+    """Receive time of each delta, keyed by (request, seq_end), read_committed, low fetch wait
+    so the reader's own polling adds a few milliseconds at most."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-deltas-{uuid.uuid4().hex}",
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "fetch.wait.max.ms": 10,
+        }
+    )
+    consumer.subscribe([topic])
+    try:
+        while not done.is_set():
+            for message in consumer.consume(1000, 0.05):
+                if message.error():
+                    continue
+                now = time.time()
+                delta = json.loads(message.value())
+                received[(delta["request_id"], delta["seq_end"])] = now
+    finally:
+        consumer.close()
+
+
+def _paced_produce(
+    bootstrap: str, topic: str, events: list[tuple[bytes, bytes, int]], events_per_s: float
+) -> dict[tuple[str, int], float]:
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 2}
+    )
+    produced: dict[tuple[str, int], float] = {}
+    started = time.time()
+    for index, (key, value, seq) in enumerate(events):
+        lead = index / events_per_s - (time.time() - started)
+        if lead > 0.001:
+            producer.poll(0)
+            time.sleep(lead)
+        producer.produce(topic, value, key)
+        produced[(key.decode(), seq)] = time.time()
+    producer.flush(60)
+    return produced
+
+
+# -- memory and restore -------------------------------------------------------------------------
+
+
+def vm_status(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(rest.split()[0]) * 1024
+    return fields
+
+
+def memory_and_restore(
+    bootstrap: str, workload: Workload, active: int, logs: Path
+) -> dict[str, Any]:
+    """Fill a worker with `active` unfinished requests in two halves, measure RSS at each, then
+    kill -9 it and time its successor's restore."""
+    prefix = f"bench-mem-{uuid.uuid4().hex[:8]}"
+    names = topics(prefix)
+    ensure_topics(bootstrap, names, PARTITIONS)
+    group = f"{prefix}-group"
+    records = (workload.records * (active // workload.requests + 1))[:active]
+    # Prompt and two chunks of each: started, text accumulated, not finished.
+    halves = [records[: active // 2], records[active // 2 :]]
+    log = logs / f"{prefix}-a.log"
+    command = worker_command(bootstrap, names, group, workload.specs, "--instance-id", prefix)
+    worker = start(command, log)
+    rss = []
+    try:
+        wait_for(lambda: "restored" in log.read_text(), "the memory worker's assignment")
+        for half_index, half in enumerate(halves):
+            producer = Producer(
+                {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 20}
+            )
+            for position, record in enumerate(half):
+                generation = LoggedGeneration.model_validate(
+                    {**record, "request_id": f"{record['request_id']}-m{half_index}-{position}"}
+                )
+                for event in generation_events(generation, CHUNK)[:3]:
+                    producer.produce(
+                        names.input, event.model_dump_json().encode(), generation.request_id
+                    )
+                producer.poll(0)
+            producer.flush(60)
+            ends = end_offsets(bootstrap, names.input)
+            wait_for(
+                lambda e=ends: committed_offsets(bootstrap, group, names.input, list(e)) == e,
+                "the memory worker's commit",
+            )
+            time.sleep(0.5)
+            rss.append(vm_status(worker.pid))
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(60)
+    per_request = (rss[1]["VmRSS"] - rss[0]["VmRSS"]) / len(halves[1])
+    log_b = logs / f"{prefix}-b.log"
+    successor = start(command, log_b)
+    try:
+        wait_for(
+            lambda: sum(int(m.group(1)) for m in RESTORED.finditer(log_b.read_text())) >= active,
+            "the successor's restore",
+        )
+        time.sleep(0.2)
+        restores = RESTORED.findall(log_b.read_text())
+        after_restore = vm_status(successor.pid)
+    finally:
+        successor.send_signal(signal.SIGTERM)
+        successor.wait(60)
+    return {
+        "active_requests": active,
+        "rss_half": rss[0]["VmRSS"],
+        "rss_full": rss[1]["VmRSS"],
+        "peak_rss": rss[1]["VmHWM"],
+        "bytes_per_active_request": per_request,
+        "growth_per_10k_mb": per_request * 10_000 / 2**20,
+        "restored_requests": sum(int(n) for n, _ in restores),
+        "restore_s": sum(float(s) for _, s in restores),
+        "rss_after_restore": after_restore["VmRSS"],
+    }
+
+
+# -- profile ------------------------------------------------------------------------------------
+
+
+def top_frames(raw: Path, limit: int = 15) -> list[tuple[float, str]]:
+    """Self-time share of the hottest frames in a py-spy raw (collapsed-stack) file."""
+    self_counts: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frame = stack.rsplit(";", 1)[-1]
+        self_counts[frame] = self_counts.get(frame, 0) + int(count)
+        total += int(count)
+    ranked = sorted(self_counts.items(), key=lambda item: -item[1])[:limit]
+    return [(count / total, frame) for frame, count in ranked]
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    parser.add_argument("--shared-dir", type=Path, default=REPO_ROOT.parent / "shared")
+    parser.add_argument("--tokenizers", default=",".join(DEFAULT_TOKENIZERS))
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--active", type=int, default=10_000, help="requests for memory/restore")
+    parser.add_argument("--quick", action="store_true", help="4,000 requests, 4,000 active")
+    parser.add_argument("--latency-seconds", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each e2e variant")
+    parser.add_argument("--profile", type=Path, help="py-spy the 1-worker exactly-once run here")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.active = 4000, 4000
+    bootstrap = args.bootstrap_servers or "127.0.0.1:19092"
+    if not answers_metadata(bootstrap):
+        bootstrap = start_broker().bootstrap_servers
+    cache = Path(tempfile.gettempdir()) / "detok-bench"
+    cache.mkdir(exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="detok-e2e-"))
+    note = _note(args.json)
+
+    workload = build_workload(args.shared_dir, args.tokenizers.split(","), args.requests, cache)
+    note(f"workload: {workload.requests} requests, {workload.generated_tokens} generated tokens")
+    core = core_throughput(workload)
+    note(f"core: {core:,.0f} tokens/s")
+
+    input_topic = f"bench-{uuid.uuid4().hex[:8]}.tokens"
+    ensure_topics(bootstrap, topics("unused", input_topic), PARTITIONS)
+    started = time.perf_counter()
+    totals = replay(bootstrap, workload.path, input_topic, chunk_size=CHUNK, progress=False)
+    replay_s = time.perf_counter() - started
+    note(f"replay: {totals.events} events in {replay_s:.1f}s")
+
+    # Each variant runs `--repeats` times in rotating order (the broker's page cache and
+    # compaction make the first run of a series slower); the best run of each is reported.
+    variants = [(w, g) for g in ("exactly-once", "at-least-once") for w in (1, 2)]
+    best: dict[tuple[int, str], WorkerRun] = {}
+    for repeat in range(args.repeats):
+        for workers, guarantee in variants[repeat % 4 :] + variants[: repeat % 4]:
+            profile = None
+            if args.profile and (workers, guarantee) == (1, "exactly-once") and repeat == 0:
+                args.profile.mkdir(parents=True, exist_ok=True)
+                profile = args.profile / "worker-eos.raw"
+            run = run_workers(bootstrap, workload, input_topic, workers, guarantee, logs, profile)
+            note(f"{run.label}: {run.tokens_per_s:,.0f} tokens/s ({run.seconds:.2f}s)")
+            key = (workers, guarantee)
+            if key not in best or run.tokens_per_s > best[key].tokens_per_s:
+                best[key] = run
+    runs = [best[key] for key in variants]
+    eos1 = runs[0]
+    alos1 = runs[2]
+    latency = latency_run(bootstrap, workload, eos1.tokens_per_s / 2, args.latency_seconds, logs)
+    note(f"latency: p50 {latency['p50_ms']:.0f} ms, p99 {latency['p99_ms']:.0f} ms")
+    memory = memory_and_restore(bootstrap, workload, args.active, logs)
+
+    report = {
+        "workload": {
+            "requests": workload.requests,
+            "generated_tokens": workload.generated_tokens,
+            "events": totals.events,
+            "chunk": CHUNK,
+            "partitions": PARTITIONS,
+            "tokenizers": args.tokenizers.split(","),
+            "replay_s": replay_s,
+        },
+        "core_tokens_per_s": core,
+        "runs": [
+            {
+                "label": r.label,
+                "workers": r.workers,
+                "guarantee": r.guarantee,
+                "seconds": r.seconds,
+                "tokens_per_s": r.tokens_per_s,
+                "vs_core": r.tokens_per_s / core,
+                "peak_rss": r.peak_rss,
+            }
+            for r in runs
+        ],
+        "exactly_once_cost": 1 - eos1.tokens_per_s / alos1.tokens_per_s,
+        "latency": latency,
+        "memory": memory,
+        "commit_interval_ms": COMMIT_INTERVAL_MS,
+        "logs": str(logs),
+    }
+    if args.profile:
+        frames = top_frames(args.profile / "worker-eos.raw")
+        report["profile_top_self"] = [[share, frame] for share, frame in frames]
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+def _note(quiet: bool) -> Any:
+    def note(message: str) -> None:
+        print(f"# {message}", file=sys.stderr if quiet else sys.stdout, flush=True)
+
+    return note
+
+
+def print_table(report: dict[str, Any]) -> None:
+    core = report["core_tokens_per_s"]
+    eos1 = report["runs"][0]
+    latency = report["latency"]
+    memory = report["memory"]
+    interval = report["commit_interval_ms"]
+    rows = [("in-process core (no Kafka)", f"{core:,.0f} tok/s", "", "")]
+    for run in report["runs"]:
+        rows.append(
+            (
+                run["label"],
+                f"{run['tokens_per_s']:,.0f} tok/s",
+                f"{run['vs_core']:.0%} of core, {run['seconds']:.2f}s",
+                f"peak RSS {run['peak_rss'] / 2**20:.0f} MB",
+            )
+        )
+    rows += [
+        (
+            "1 worker EOS target",
+            ">= 1,000,000 tok/s",
+            ">= 40% of core",
+            _ok(eos1["tokens_per_s"] >= 1e6 and eos1["vs_core"] >= 0.4),
+        ),
+        (
+            "exactly-once cost vs at-least-once",
+            f"{report['exactly_once_cost']:.1%}",
+            "<= 15%",
+            _ok(report["exactly_once_cost"] <= 0.15),
+        ),
+        (
+            f"delay at {latency['tokens_per_s']:,.0f} tok/s (half max)",
+            f"p50 {latency['p50_ms']:.0f} ms / p99 {latency['p99_ms']:.0f} ms",
+            f"p99 <= {3 * interval} ms",
+            _ok(latency["p99_ms"] <= 3 * interval),
+        ),
+        (
+            f"memory per active request ({memory['active_requests']:,} active)",
+            f"{memory['bytes_per_active_request']:,.0f} B "
+            f"({memory['growth_per_10k_mb']:.1f} MB / 10k)",
+            "<= 2 KB",
+            _ok(memory["bytes_per_active_request"] <= 2048),
+        ),
+        (
+            f"restore of {memory['restored_requests']:,} active requests after kill -9",
+            f"{memory['restore_s']:.2f} s",
+            "<= 3 s",
+            _ok(memory["restore_s"] <= 3.0),
+        ),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    if "profile_top_self" in report:
+        print("\nhottest frames (self time) of the 1-worker exactly-once run:")
+        for share, frame in report["profile_top_self"]:
+            print(f"  {share:6.1%}  {frame}")
+
+
+def _ok(passed: bool) -> str:
+    return "ok" if passed else "MISSED"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
