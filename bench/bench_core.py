@@ -21,7 +21,8 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import compress
 from pathlib import Path
 from typing import Any
 
@@ -78,33 +79,44 @@ def method_push(
 def method_batched(
     tok: Tokenizer, reqs: list[dict[str, Any]], chunked: list[list[list[int]]], active: int
 ) -> list[str]:
+    """Continuous batching as a worker would run it: each round pushes the next chunk of every
+    live request, finished requests are flushed and replaced from the queue. The bookkeeping is
+    kept in parallel lists so the harness costs little next to what it measures."""
     outs: list[list[str]] = [[] for _ in reqs]
-    pending = iter(range(len(reqs)))
-    # Live requests as [stream, its chunks, next chunk position, its output parts].
-    live: list[list[Any]] = []
+    queue = iter(range(len(reqs)))
+    streams: list[DecodeStream] = []
+    feeds: list[Iterator[list[int]]] = []  # each live request's remaining chunks
+    sinks: list[list[str]] = []  # each live request's output parts
+    ends: list[int] = []  # the round each live request has no chunk left in
+    round_no = 0
 
     def admit() -> None:
-        for i in pending:
+        for i in queue:
             r = reqs[i]
-            s = DecodeStream(
-                tok, r["prompt_token_ids"], skip_special_tokens=r["skip_special_tokens"]
+            streams.append(
+                DecodeStream(
+                    tok, r["prompt_token_ids"], skip_special_tokens=r["skip_special_tokens"]
+                )
             )
-            live.append([s, chunked[i], 0, outs[i]])
-            if len(live) >= active:
+            feeds.append(iter(chunked[i]))
+            sinks.append(outs[i])
+            ends.append(round_no + len(chunked[i]))
+            if len(streams) >= active:
                 return
 
     admit()
-    while live:
-        results = decode_round([(entry[0], entry[1][entry[2]]) for entry in live])
-        finished = False
-        for entry, result in zip(live, results, strict=True):
-            entry[3].append(result.text)
-            entry[2] += 1
-            if entry[2] == len(entry[1]):
-                entry[3].append(entry[0].flush())
-                finished = True
-        if finished:
-            live[:] = [entry for entry in live if entry[2] < len(entry[1])]
+    while streams:
+        results = decode_round(list(zip(streams, map(next, feeds), strict=True)))
+        for sink, result in zip(sinks, results, strict=True):
+            sink.append(result.text)
+        round_no += 1
+        if min(ends) == round_no:
+            keep = [end != round_no for end in ends]
+            for stream, sink, live in zip(streams, sinks, keep, strict=True):
+                if not live:
+                    sink.append(stream.flush())
+            for column in (streams, feeds, sinks, ends):
+                column[:] = compress(column, keep)  # type: ignore[call-overload]
             admit()
     return ["".join(o) for o in outs]
 

@@ -57,7 +57,7 @@ def decode_round(work: Sequence[tuple[DecodeStream, Sequence[int]]]) -> list[Chu
     empty = _EMPTY
     new_result = _new_result
     waiting: list[tuple[int, DecodeStream, PushSteps, DecodeRequest]] = []
-    for index, (stream, chunk) in enumerate(work):
+    for stream, chunk in work:
         if stream.decodes_inline:
             # Pure decoder: `push` never needs tokenizers, so no generator and no queueing.
             try:
@@ -69,6 +69,7 @@ def decode_round(work: Sequence[tuple[DecodeStream, Sequence[int]]]) -> list[Chu
             else:
                 append(new_result((text, None)) if text else empty)
         else:
+            index = len(results)
             append(None)
             _advance(index, stream, stream.push_steps(chunk), None, results, waiting)
     while waiting:

@@ -464,10 +464,10 @@ class DecodeStream:
         try:
             if min(chunk) < 0:  # negative ids would index the table from the end
                 return None
-            chunk_pieces = list(map(table.__getitem__, chunk))
-        except (TypeError, IndexError):  # not an int, or past the table
-            return None
-        if None in chunk_pieces:  # an unknown id
+            # (`itemgetter` returns a bare item, not a tuple, for a single id.)
+            fresh = itemgetter(*chunk)(table) if len(chunk) > 1 else (table[chunk[0]],)
+            fresh_raw = b"".join(fresh)  # an unknown id (None) raises TypeError here
+        except (TypeError, IndexError):  # not an int, past the table, or unknown
             return None
         if not self.prefix_seeded:
             # A pure decoder never yields: one `next` runs the whole seeding.
@@ -478,10 +478,9 @@ class DecodeStream:
         if not prefix_index or self.prefix.endswith(FFFD):
             return None
         base = len(ids)
-        pieces = list(map(table.__getitem__, ids))
-        pieces += chunk_pieces
-        raw = b"".join(pieces)  # type: ignore[arg-type]  # known ids only: no None
-        ends = list(accumulate(map(len, pieces)))  # ends[i]: byte offset after pieces[i]
+        held = itemgetter(*ids)(table) if base > 1 else (table[ids[0]],)
+        raw = b"".join(held) + fresh_raw
+        ends = list(accumulate(map(len, held + fresh)))  # ends[i]: byte offset after id i
         floor = ends[prefix_index - 1]
         if not floor:
             return None
@@ -495,17 +494,22 @@ class DecodeStream:
             text = raw[:complete].decode("utf-8")
         if FFFD in text:
             return None
-        last = _emission_point(ends, raw, complete, base, len(pieces), floor)
+        size = len(ends)
+        last = _emission_point(ends, raw, complete, base, size, floor)
         if last is None:
             self.ids = ids + chunk
             return ""
         before = _emission_point(ends, raw, complete, base, last - 1, floor)
         start = prefix_index if before is None else before
-        prefix = raw[ends[start - 1] : ends[last - 1]].decode("utf-8")
-        self.ids = (ids + chunk)[start:]
+        first, stop = ends[start - 1], ends[last - 1]
+        if text.isascii():  # byte offsets are character offsets
+            prefix, new = text[first:stop], text[floor:stop]
+        else:
+            prefix, new = raw[first:stop].decode("utf-8"), raw[floor:stop].decode("utf-8")
+        self.ids = chunk[start - base :] if start >= base else ids[start:] + chunk
         self.prefix = prefix[1:] if prefix[:1] == " " else prefix
         self.prefix_index = last - start
-        return raw[floor : ends[last - 1]].decode("utf-8")
+        return new
 
     def _push_known(self, chunk: list[int]) -> PushSteps:
         """Push ids that are all known; the text equals pushing them one at a time (spec §9.6).
