@@ -7,8 +7,11 @@ advances every generator to its next request, then answers all pending requests 
 round is usually one FFI call per group; probes and (non-ByteLevel) prefix re-decodes add a second
 or third pass only for the rows that need them.
 
-Streams whose tokenizer has a pure Python decoder never yield, so they cost no FFI call at all.
-The text of every stream is exactly what `push` would give: the generator is the same code.
+Streams whose tokenizer has a pure Python decoder (`DecodeStream.decodes_inline`) skip all of
+that: the round simply calls their `push`, which decides most chunks with one table lookup and one
+bytes decode, with no generator, no queueing and no FFI call. Those rows are the common case (GPT-2,
+Qwen, Llama-3, OLMo, Llama-2/Mistral-v1 tokenizers), so the loop below keeps them lean. The text of
+every stream is exactly what `push` would give: the generator is the same code.
 A stream whose chunk fails gets its error (and the partial text) in its own `ChunkResult`; the
 others in the batch are untouched.
 """

@@ -14,10 +14,17 @@ Differences from upstream, all deliberate:
 - Python `tokenizers` silently drops unknown ids, so strictness (generated unknown ids raise) is
   enforced here with a known-id table.
 
-The push logic is a generator that yields the id sequences it needs decoded and receives their
-texts. `push` answers at once; `pipeline.batch.decode_round` collects the requests of many streams
-and answers them with one `decode_batch` per tokenizer and flag. Streams whose tokenizer has a pure
-Python decoder (`pipeline.vocab_tables`) decode inline and never yield.
+The general push logic is a generator that yields the id sequences it needs decoded and receives
+their texts. `push` answers at once; `pipeline.batch.decode_round` collects the requests of many
+streams and answers them with one `decode_batch` per tokenizer and flag. Streams whose tokenizer
+has a pure Python decoder (`pipeline.vocab_tables`) decode inline and never yield, and `push`
+first tries a fast path that decides a whole chunk in byte arithmetic on the decoder's table:
+- top-level ByteLevel: a settled window of pending ids only (`_settle`), one join + one lossy
+  decode per chunk (`push`, `_hold_bytes`);
+- the Llama-2 ByteFallback chain: the per-token emission points computed from byte offsets
+  (`_push_spm`, `_emission_point`).
+Anything a fast path cannot decide exactly (unknown or malformed ids, invalid byte runs, a literal
+U+FFFD, an unclean prefix) falls through to the general logic, which is the reference.
 """
 
 from __future__ import annotations
@@ -130,7 +137,9 @@ class DecodeStream:
 
     State (all of it; see `snapshot`):
     - `ids`: the window. Before seeding, the whole prompt; after, context + ids since the last
-      emission.
+      emission. For ByteLevel the context is dropped whenever it ends cleanly (`_settle`), so a
+      settled window is just the pending ids; for the Llama-2 chain the context is exactly the
+      ids of the last per-token emission (usually 1-4 ids).
     - `prefix`: decode of `ids[:prefix_index]`, text already accounted for.
     - `prefix_index`: number of window ids covered by `prefix`.
     - `prefix_seeded`: the prompt has been turned into context (runs at most once; upstream's flag
@@ -557,7 +566,7 @@ class DecodeStream:
         """Emit `text` (= decode(ids[:end])) beyond the prefix; slide the window to `ids[old:]`."""
         new = slice_from_byte(text, utf8_len(self.prefix))
         old = self.prefix_index
-        if self._profile.has_byte_fallback and self._profile.byte_token[self.ids[end - 1]]:
+        if self._profile.has_byte_fallback and self._ends_in_byte_run(end):
             old = yield from self._previous_emission(old, end, text)
         if self._profile.reuse_prefix and not self.prefix.endswith(FFFD):
             # Context-independent decoder and a clean split at `old`: decode(ids[old:end]) is
@@ -570,6 +579,19 @@ class DecodeStream:
         self.prefix_index = end - old
         self._settle()
         return new
+
+    def _ends_in_byte_run(self, end: int) -> bool:
+        """Whether the last *visible* id of `ids[:end]` is a `<0xNN>` byte token.
+
+        Skipped specials vanish before the decoder runs, so a byte run continues across them:
+        an emission ending "byte, skipped special" still ends inside a run.
+        """
+        ids = self.ids
+        hidden = self._profile.special_ids if self.skip_special_tokens else frozenset()
+        k = end - 1
+        while k >= 0 and ids[k] in hidden:
+            k -= 1
+        return k >= 0 and bool(self._profile.byte_token[ids[k]])
 
     def _previous_emission(
         self, old: int, end: int, text: str

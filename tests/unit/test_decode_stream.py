@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from pipeline.batch import decode_round
 from pipeline.decode_stream import DecodeStream, InvalidTokenIdError
+from tests.unit.decode_oracle import OracleStream
 from tests.unit.small_tokenizers import FAMILIES, byte_fallback, byte_level, ffi_twin, spm_byte
 
 VARIANTS = [(name, ffi) for name in FAMILIES for ffi in (False, True)]
@@ -121,3 +122,20 @@ def test_snapshot_stays_bounded_over_a_long_generation(name: str, ffi: bool) -> 
     assert len(json.dumps(stream.snapshot())) < 1_000
     whole = DecodeStream(tok, prompt)
     assert "".join(out) == whole.push(generated) + whole.flush()
+
+
+@pytest.mark.parametrize("ffi", [False, True])
+def test_byte_run_continued_across_a_skipped_special(ffi: bool) -> None:
+    """Regression (found by hypothesis): a chunk ending "byte tokens, skipped special" still ends
+    inside a byte run, so a later invalid byte turns into as many U+FFFD as per-token pushing
+    gives, not one per byte token of the whole chunk."""
+    tok = tokenizer("byte_fallback", ffi)
+    flag = "🏳️‍🌈".encode()
+    generated = [0, 0, *map(spm_byte, flag), 0, spm_byte(0x80)]  # 0 = "<unk>", a special
+    ref = OracleStream(tok, [], True)
+    expected = "".join(ref.push_token(t) for t in generated) + ref.flush()
+    stream = DecodeStream(tok, [])
+    got = stream.push(generated[:-1]) + stream.push(generated[-1:]) + stream.flush()
+    # Per-token pushing's window holds 🌈's 4 byte tokens; the invalid byte extends that run, so
+    # the 5-token run decodes to 5 U+FFFD, of which 4 lie beyond the 4-byte prefix (upstream).
+    assert got == expected == "🏳️‍🌈" + "\ufffd" * 4
