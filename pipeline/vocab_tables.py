@@ -108,8 +108,9 @@ class TokenizerProfile:
     # id -> bytes of the token under each skip flag (None = unknown); ByteLevel only.
     byte_table: dict[bool, list[bytes | None]]
     # id -> the token's UTF-8 piece after Replace(▁→' ') (a `<0xNN>` token: its one byte; a
-    # skipped special: b""; None = unknown) under each skip flag; Llama-2 chain only. The chain's
-    # output is the strict decode of the pieces' concatenation whenever that is valid UTF-8.
+    # skipped special: b""; an empty token: EMPTY_TOKEN_PIECE; None = unknown) under each skip
+    # flag; Llama-2 chain only. The chain's output is the strict decode of the pieces'
+    # concatenation whenever that is valid UTF-8.
     spm_table: dict[bool, list[bytes | None]]
 
 
@@ -201,6 +202,13 @@ def _byte_level_decoder(table: list[bytes | None]) -> Callable[[Sequence[int]], 
     return decode
 
 
+# The piece of an empty token (Llama-2 has one, id 31353). It adds no text, but unlike a skipped
+# special it is still a token in the chain, so it ends a byte run: "<0xE4>", "", "<0xBD><0xA0>"
+# decodes to three U+FFFD, not "你". A byte that is never valid UTF-8 makes every concatenation
+# holding it fail the strict decode, so exactly those sequences take the per-run slow path.
+EMPTY_TOKEN_PIECE = b"\xff"
+
+
 def _spm_pieces(tokens: list[str | None], skipped: frozenset[int]) -> list[bytes | None]:
     """The `spm_table` of one skip flag (see `TokenizerProfile`)."""
     pieces: list[bytes | None] = []
@@ -209,6 +217,8 @@ def _spm_pieces(tokens: list[str | None], skipped: frozenset[int]) -> list[bytes
             pieces.append(None)
         elif i in skipped:
             pieces.append(b"")
+        elif not token:
+            pieces.append(EMPTY_TOKEN_PIECE)
         else:
             value = _byte_fallback_value(token)
             pieces.append(bytes([value]) if value is not None else token.replace("▁", " ").encode())
@@ -252,7 +262,8 @@ def _spm_byte_fallback_decoder(
                 out.append(_finish_run(run, run_tokens))
                 run.clear()
                 run_tokens = 0
-            out.append(piece.decode("utf-8"))
+            if piece != EMPTY_TOKEN_PIECE:  # an empty token only ends the run
+                out.append(piece.decode("utf-8"))
         if run_tokens:
             out.append(_finish_run(run, run_tokens))
         return "".join(out)

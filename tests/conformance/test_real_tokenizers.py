@@ -109,3 +109,29 @@ def test_full_decode_consistency_byte_level(name: str) -> None:
         full = tok.decode(ids, skip_special_tokens=True).encode()
         head = tok.decode(prompt, skip_special_tokens=True).encode()
         assert out.encode() == full[len(head) :]
+
+
+def test_llama_empty_token_ends_a_byte_run() -> None:
+    """Llama-2's vocabulary has an empty token (""): it adds no text but, unlike a skipped
+    special, still ends a byte-fallback run. Pure decoder, stream and oracle must all agree."""
+    tok = load("llama-spm")
+    empty = tok.get_vocab()[""]
+    byte = {b: tok.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    ni = [byte[x] for x in "你".encode()]
+    decode = profile_for(tok).pure_decode
+    for skip in (False, True):
+        for ids in ([ni[0], empty, *ni[1:]], [*ni, empty, *ni], [empty, 1, ni[0], 2, *ni[1:]]):
+            assert decode[skip](ids) == tok.decode(ids, skip_special_tokens=skip)
+    assert tok.decode([ni[0], empty, *ni[1:]]) == "\ufffd" * 3
+    rng = random.Random(2)
+    pool = [empty, empty, 0, 1, 2, *ni, byte[0x80], byte[0x41], *tok.encode("Hi 你").ids]
+    for _ in range(300):
+        prompt = [rng.choice(pool) for _ in range(rng.randrange(8))]
+        generated = [rng.choice(pool) for _ in range(rng.randrange(1, 12))]
+        skip = rng.random() < 0.5
+        ref = OracleStream(tok, prompt, skip)
+        expected = "".join(ref.push_token(t) for t in generated) + ref.flush()
+        stream = DecodeStream(tok, prompt, skip_special_tokens=skip)
+        size = rng.randrange(1, 6)
+        got = "".join(stream.push(generated[i : i + size]) for i in range(0, len(generated), size))
+        assert got + stream.flush() == expected
