@@ -28,7 +28,6 @@ import os
 import random
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -332,7 +331,7 @@ def latency_run(
         bootstrap, names, f"{prefix}-group", workload.specs, "--instance-id", prefix
     )
     worker = start(command, log)
-    received: dict[tuple[str, int], float] = {}
+    received: dict[tuple[str, int], tuple[float, float]] = {}
     reader_done = threading.Event()
     reader = threading.Thread(
         target=_read_deltas, args=(bootstrap, names.deltas, received, reader_done), daemon=True
@@ -340,6 +339,15 @@ def latency_run(
     reader.start()
     try:
         wait_for(lambda: "restored" in log.read_text(), "the latency worker's assignment")
+        # Warm-up, not measured: a consumer's first fetches after resume() (the worker pauses
+        # partitions while it restores) take about a second in librdkafka, and that start-up
+        # stall is the restore's cost, not the steady-state delay the target is about.
+        warm = timed_events(
+            [{**r, "request_id": f"warm-{r['request_id']}"} for r in workload.records[:20]]
+        )
+        _paced_produce(bootstrap, names.input, warm, events_per_s)
+        warm_finals = set({k.decode(): s for k, _, s in warm}.items())
+        wait_for(lambda: warm_finals <= received.keys(), "the warm-up's deltas")
         produced = _paced_produce(bootstrap, names.input, events, events_per_s)
         finals = set({k.decode(): s for k, _, s in events}.items())  # the finish: last seq
         wait_for(lambda: finals <= received.keys(), "every request's final delta", bound_s=120)
@@ -347,23 +355,30 @@ def latency_run(
         reader_done.set()
         worker.send_signal(signal.SIGTERM)
         worker.wait(60)
-    delays = []
+    visible, worker_side = [], []
     for (request_id, seq), at in produced.items():
         if seq == 0:
             continue  # prompts produce no delta of their own
-        delays.append(received[(request_id, _covering(received, request_id, seq))] - at)
-    delays.sort()
+        seen, created = received[(request_id, _covering(received, request_id, seq))]
+        visible.append(seen - at)
+        worker_side.append(created - at)
     return {
         "events_per_s": events_per_s,
         "tokens_per_s": tokens_per_s,
         "events": len(events),
-        "p50_ms": 1000 * statistics.median(delays),
-        "p99_ms": 1000 * delays[int(0.99 * (len(delays) - 1))],
-        "max_ms": 1000 * delays[-1],
+        "p50_ms": 1000 * _quantile(visible, 0.5),
+        "p99_ms": 1000 * _quantile(visible, 0.99),
+        "worker_p50_ms": 1000 * _quantile(worker_side, 0.5),
+        "worker_p99_ms": 1000 * _quantile(worker_side, 0.99),
     }
 
 
-def _covering(received: dict[tuple[str, int], float], request_id: str, seq: int) -> int:
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
+def _covering(received: dict[tuple[str, int], Any], request_id: str, seq: int) -> int:
     """The seq_end of the delta that covers `seq` (the first delta ending at or after it)."""
     while (request_id, seq) not in received:
         seq += 1
@@ -373,11 +388,12 @@ def _covering(received: dict[tuple[str, int], float], request_id: str, seq: int)
 def _read_deltas(
     bootstrap: str,
     topic: str,
-    received: dict[tuple[str, int], float],
+    received: dict[tuple[str, int], tuple[float, float]],
     done: threading.Event,
 ) -> None:
-    """Receive time of each delta, keyed by (request, seq_end), read_committed, low fetch wait
-    so the reader's own polling adds a few milliseconds at most."""
+    """(receive time, produce time) of each delta, keyed by (request, seq_end); read_committed,
+    low fetch wait, so the reader's own polling adds a few milliseconds at most. The produce time
+    (the worker's, at its commit) separates the worker's delay from the reader's."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -395,7 +411,8 @@ def _read_deltas(
                     continue
                 now = time.time()
                 delta = json.loads(message.value())
-                received[(delta["request_id"], delta["seq_end"])] = now
+                created = message.timestamp()[1] / 1000
+                received[(delta["request_id"], delta["seq_end"])] = (now, created)
     finally:
         consumer.close()
 
@@ -574,8 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = [best[key] for key in variants]
     eos1 = runs[0]
     alos1 = runs[2]
-    latency = latency_run(bootstrap, workload, eos1.tokens_per_s / 2, args.latency_seconds, logs)
-    note(f"latency: p50 {latency['p50_ms']:.0f} ms, p99 {latency['p99_ms']:.0f} ms")
+    # The target is at half the maximum; a quarter shows whether a miss is load or floor.
+    latencies = []
+    for share in (0.5, 0.25):
+        rate = eos1.tokens_per_s * share
+        latency = latency_run(bootstrap, workload, rate, args.latency_seconds, logs)
+        note(f"delay at {rate:,.0f} tok/s: p99 {latency['p99_ms']:.0f} ms")
+        latencies.append(latency)
     memory = memory_and_restore(bootstrap, workload, args.active, logs)
 
     report = {
@@ -602,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs
         ],
         "exactly_once_cost": 1 - eos1.tokens_per_s / alos1.tokens_per_s,
-        "latency": latency,
+        "latency": latencies,
         "memory": memory,
         "commit_interval_ms": COMMIT_INTERVAL_MS,
         "logs": str(logs),
@@ -627,7 +649,6 @@ def _note(quiet: bool) -> Any:
 def print_table(report: dict[str, Any]) -> None:
     core = report["core_tokens_per_s"]
     eos1 = report["runs"][0]
-    latency = report["latency"]
     memory = report["memory"]
     interval = report["commit_interval_ms"]
     rows = [("in-process core (no Kafka)", f"{core:,.0f} tok/s", "", "")]
@@ -653,11 +674,15 @@ def print_table(report: dict[str, Any]) -> None:
             "<= 15%",
             _ok(report["exactly_once_cost"] <= 0.15),
         ),
-        (
-            f"delay at {latency['tokens_per_s']:,.0f} tok/s (half max)",
-            f"p50 {latency['p50_ms']:.0f} ms / p99 {latency['p99_ms']:.0f} ms",
-            f"p99 <= {3 * interval} ms",
-            _ok(latency["p99_ms"] <= 3 * interval),
+        *(
+            (
+                f"delay at {latency['tokens_per_s']:,.0f} tok/s ({share} max)",
+                f"p50 {latency['p50_ms']:.0f} ms / p99 {latency['p99_ms']:.0f} ms "
+                f"(worker-side p99 {latency['worker_p99_ms']:.0f} ms)",
+                f"p99 <= {3 * interval} ms",
+                _ok(latency["p99_ms"] <= 3 * interval) if share == "1/2" else "",
+            )
+            for share, latency in zip(("1/2", "1/4"), report["latency"], strict=True)
         ),
         (
             f"memory per active request ({memory['active_requests']:,} active)",

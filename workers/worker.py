@@ -56,6 +56,9 @@ KAFKA_TIMEOUT_S = 30.0
 # times, a second apart, before the worker gives up; Quix Streams uses the same bound.
 COMMIT_ATTEMPTS = 3
 COMMIT_RETRY_BACKOFF_S = 1.0
+# Longest wait for a consume batch to fill: long enough that a busy input gives full batches
+# (one decode round amortised over max_batch events), short enough to notice signals promptly.
+CONSUME_WAIT_S = 0.1
 # TTL sweeps walk every request; once a second is plenty for TTLs measured in minutes.
 EXPIRE_INTERVAL_S = 1.0
 # The restore consumer's fetch wait and consume timeout: short, because it only reads to EOF.
@@ -82,6 +85,16 @@ def current_rss_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
+def peak_rss_bytes() -> int:
+    """VmHWM: this process's RSS high-water mark. (ru_maxrss survives exec on Linux, so it would
+    report the parent's peak for a worker started by a big process.)"""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 @dataclass
 class RunStats:
     """What one worker did, logged as one JSON line at exit so a benchmark can time the worker
@@ -104,7 +117,7 @@ class RunStats:
                 "commits": self.commits,
                 "rss_at_first_consume": self.rss_at_first_consume,
                 "rss_at_exit": current_rss_bytes(),
-                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss": peak_rss_bytes(),
                 "active_requests": active_requests,
             }
         )
@@ -263,7 +276,15 @@ class Worker:
     def _step(self) -> None:
         if self.restoring:
             self._restore()
-        messages = self.consumer.consume(self.settings.max_batch, 0.1)
+        # consume() waits until the batch is full or the timeout ends; never past the commit
+        # deadline, or at moderate rates every commit (and so every delta) comes up to a whole
+        # wait late.
+        due_in = self.settings.commit_interval_ms / 1000 - (
+            time.monotonic() - self.checkpoint.started_at
+        )
+        messages = self.consumer.consume(
+            self.settings.max_batch, min(CONSUME_WAIT_S, max(due_in, 0.0))
+        )
         now = time.time()
         if messages:
             self._handle(messages, now)
@@ -294,7 +315,6 @@ class Worker:
         if self.stats.first_consume_at is None:
             self.stats.first_consume_at = now
             self.stats.rss_at_first_consume = current_rss_bytes()
-        self.stats.records += len(messages)
         batch = []
         records = 0  # partition EOFs and consumer errors are messages too, but not records
         offsets = self.checkpoint.offsets
@@ -337,6 +357,7 @@ class Worker:
             self.stats.generated_tokens += result.decoded_tokens
             self._emit(result)
         self.metrics.observe_consumed(records, now)
+        self.stats.records += records
 
     def _emit(self, result: BatchResult) -> None:
         deltas = self.checkpoint.deltas
