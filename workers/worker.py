@@ -39,9 +39,8 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from pipeline.processor import BatchResult, DeadLetter, EventOrigin, RequestProcessor
+from pipeline.processor import BatchResult, DeadLetter, Delta, EventOrigin, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.events import TextDelta
 from schemas.validation import Rejection, parse_event
 from workers.config import WorkerSettings
 from workers.dead_letters import dead_letter_headers, dead_letter_key
@@ -133,7 +132,7 @@ class _Checkpoint:
 
     offsets: dict[int, int]  # input partition -> next offset to consume
     dirty: set[str]  # requests whose snapshot must be rewritten
-    deltas: dict[str, TextDelta]  # request -> its coalesced delta
+    deltas: dict[str, Delta]  # request -> its coalesced delta
     started_at: float
 
     @classmethod
@@ -332,14 +331,15 @@ class Worker:
             records += 1
             self.at_end.discard(partition)
             offsets[partition] = message.offset() + 1
+            headers = message.headers()
             origin = EventOrigin(
-                source=message.topic(),
-                partition=partition,
-                offset=message.offset(),
-                value=message.value() or b"",
-                key=message.key(),
-                headers=tuple(message.headers() or ()),
-                timestamp_ms=message.timestamp()[1],
+                message.topic(),
+                partition,
+                message.offset(),
+                message.value() or b"",
+                message.key(),
+                tuple(headers) if headers else (),
+                message.timestamp()[1],
             )
             event = parse_event(origin.value)
             if isinstance(event, Rejection):
@@ -363,11 +363,10 @@ class Worker:
         deltas = self.checkpoint.deltas
         for delta in result.deltas:
             previous = deltas.get(delta.request_id)
-            if previous is not None:
-                delta = delta.model_copy(
-                    update={"seq_start": previous.seq_start, "text": previous.text + delta.text}
-                )
-            deltas[delta.request_id] = delta
+            if previous is None:
+                deltas[delta.request_id] = delta
+            else:
+                previous.absorb(delta)
         for completion in result.completions:
             self._produce(
                 self.topics.completions, completion.request_id, completion.model_dump_json()
@@ -424,7 +423,7 @@ class Worker:
             return
         started = time.perf_counter()
         for request_id, delta in checkpoint.deltas.items():
-            self._produce(self.topics.deltas, request_id, delta.model_dump_json())
+            self._produce(self.topics.deltas, request_id, delta.to_wire().model_dump_json())
         self.metrics.deltas_produced.inc(len(checkpoint.deltas))
         self._write_changelog(checkpoint)
         offsets = [
