@@ -216,9 +216,14 @@ def fetch_jars() -> None:
 def new_cluster_id() -> str:
     """Kafka's own cluster id form (Uuid.toString: 16 random bytes, unpadded base64url, 22 chars).
 
-    Generated in Python so formatting does not pay an extra JVM start for `random-uuid`.
+    Generated in Python so formatting does not pay an extra JVM start for `random-uuid`. Like
+    Kafka's `Uuid.randomUuid`, it never starts with "-": StorageTool's argument parser would take
+    such an id for an option (one id in 64 does, and then `format` fails).
     """
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def _render_server_properties(port: int, data_dir: Path) -> Path:

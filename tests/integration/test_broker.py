@@ -101,3 +101,9 @@ def test_stop_and_status_without_a_broker(tmp_path: Path) -> None:
     status = run_detok("broker", "status", "--data-dir", str(tmp_path))
     assert status.returncode == 1
     assert "not running" in status.stdout
+
+
+def test_cluster_ids_are_kafka_form_and_never_look_like_options() -> None:
+    ids = [broker.new_cluster_id() for _ in range(5000)]  # ~78 would start with "-" unchecked
+    assert all(len(i) == 22 and not i.startswith("-") for i in ids)
+    assert len(set(ids)) == len(ids)
