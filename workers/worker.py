@@ -20,6 +20,7 @@ rewind). A fatal error stops the worker with a non-zero exit, for the orchestrat
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import resource
@@ -162,6 +163,11 @@ class Worker:
             finished_retention_s=settings.finished_retention_s,
         )
         self.processor.warm_up()
+        # The decode tables just built are hundreds of thousands of long-lived objects (a bytes
+        # object per vocabulary entry); left in the collector's care, every full collection would
+        # walk them all, a pause of tens of milliseconds in the middle of a batch. They live as
+        # long as the process, so take them out of collection for good.
+        gc.freeze()
         self.owner: dict[str, int] = {}  # request id -> input partition
         self.assigned: set[int] = set()
         self.restoring: set[int] = set()
