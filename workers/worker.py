@@ -556,10 +556,7 @@ class Worker:
                 self._commit()
             except (KafkaException, FatalWorkerError):
                 log.exception("commit on revoke failed; the next owner reprocesses")
-        self._drop_state(numbers)
-        self.assigned.difference_update(numbers)
-        self.restoring.difference_update(numbers)
-        self.at_end.difference_update(numbers)
+        self._release(numbers)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost partitions are already someone else's: never commit for them.
@@ -568,11 +565,17 @@ class Worker:
         if self.exactly_once:
             self.producer.abort_transaction(KAFKA_TIMEOUT_S)
             self.producer.begin_transaction()
-        self.assigned.difference_update(numbers)
-        self.restoring.difference_update(numbers)
-        self.at_end.difference_update(numbers)
-        self._drop_state(numbers)
+        self._release(numbers)
         self._rollback()
+
+    def _release(self, partitions: list[int]) -> None:
+        """Forget partitions this worker no longer owns, and their state."""
+        self._drop_state(partitions)
+        self.assigned.difference_update(partitions)
+        self.restoring.difference_update(partitions)
+        self.at_end.difference_update(partitions)
+        self.metrics.partitions_restoring.set(len(self.restoring))
+        self.metrics.active_requests.set(self.processor.active_requests)
 
     def _drop_state(self, partitions: Iterable[int]) -> None:
         dropped = set(partitions)
