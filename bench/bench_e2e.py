@@ -150,14 +150,8 @@ def core_throughput(workload: Workload) -> float:
 
 
 def topics(prefix: str, input_topic: str | None = None) -> TopicNames:
-    return TopicNames(
-        input=input_topic or f"{prefix}.tokens",
-        deltas=f"{prefix}.deltas",
-        completions=f"{prefix}.completions",
-        metrics=f"{prefix}.metrics",
-        dead_letters=f"{prefix}.dead-letters",
-        changelog=f"{prefix}.changelog",
-    )
+    names = TopicNames.with_prefix(prefix)
+    return names.model_copy(update={"input": input_topic}) if input_topic else names
 
 
 def worker_command(

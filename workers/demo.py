@@ -232,15 +232,7 @@ def _completions_by_id(path: Path) -> dict[str, dict]:
 
 
 def demo_topics(run_id: str) -> TopicNames:
-    prefix = f"detok-demo-{run_id}"
-    return TopicNames(
-        input=f"{prefix}.tokens",
-        deltas=f"{prefix}.deltas",
-        completions=f"{prefix}.completions",
-        metrics=f"{prefix}.metrics",
-        dead_letters=f"{prefix}.dead-letters",
-        changelog=f"{prefix}.state-changelog",
-    )
+    return TopicNames.with_prefix(f"detok-demo-{run_id}")
 
 
 def metrics_ports(base: int | None, count: int) -> list[int]:

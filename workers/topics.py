@@ -56,6 +56,18 @@ class TopicNames(BaseModel):
             raise ValueError(f"each topic role needs its own topic; shared: {duplicates}")
         return self
 
+    @classmethod
+    def with_prefix(cls, prefix: str) -> TopicNames:
+        """One deployment's own set (`PREFIX.tokens`, ...), e.g. a demo run's or a test's."""
+        return cls(
+            input=f"{prefix}.tokens",
+            deltas=f"{prefix}.deltas",
+            completions=f"{prefix}.completions",
+            metrics=f"{prefix}.metrics",
+            dead_letters=f"{prefix}.dead-letters",
+            changelog=f"{prefix}.state-changelog",
+        )
+
     @property
     def compacted(self) -> tuple[str, ...]:
         return (self.completions, self.changelog)

@@ -5,7 +5,6 @@ runs real `detok worker` processes, and reads the output topics read_committed."
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tests.integration.worker_harness import (
     make_generations,
     models,
     offline_completions,
+    paced_replay,
     pipeline_topics,
     read_topic,
     start_worker,
@@ -75,12 +75,7 @@ def test_kill_9_mid_stream_changes_nothing(kafka_bootstrap: str, tmp_path: Path)
     names = pipeline_topics(kafka_bootstrap)
     group = unique_name("g")
     # A paced replay keeps the stream going while the worker is killed and restarted.
-    producer = threading.Thread(
-        target=replay,
-        args=(kafka_bootstrap, source, names.input),
-        kwargs={"rate": 40.0, "progress": False},
-    )
-    producer.start()
+    producer = paced_replay(kafka_bootstrap, source, names.input, rate=40.0)
     for _ in range(3):
         worker = start_worker(kafka_bootstrap, names, group, instance_id="crashy", log_dir=tmp_path)
         time.sleep(7)  # long enough to join, restore and commit some of the stream
@@ -104,12 +99,7 @@ def test_a_worker_joining_and_one_leaving_change_nothing(
     expected = offline_completions(source, models().registry())
     names = pipeline_topics(kafka_bootstrap)
     group = unique_name("g")
-    producer = threading.Thread(
-        target=replay,
-        args=(kafka_bootstrap, source, names.input),
-        kwargs={"rate": 80.0, "progress": False},
-    )
-    producer.start()
+    producer = paced_replay(kafka_bootstrap, source, names.input, rate=80.0)
     first = start_worker(kafka_bootstrap, names, group, instance_id="first", log_dir=tmp_path)
     time.sleep(3)
     second = start_worker(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -15,12 +14,12 @@ from tests.integration.worker_harness import (
     make_generations,
     models,
     offline_completions,
+    paced_replay,
     pipeline_topics,
     start_worker,
     wait_exit,
     write_jsonl,
 )
-from workers.replay import replay
 
 pytestmark = pytest.mark.integration
 
@@ -32,12 +31,7 @@ def test_a_fenced_worker_exits_non_zero_and_its_successor_finishes_exactly(
     expected = offline_completions(source, models().registry())
     names = pipeline_topics(kafka_bootstrap)
     group = unique_name("g")
-    producer = threading.Thread(
-        target=replay,
-        args=(kafka_bootstrap, source, names.input),
-        kwargs={"rate": 60.0, "progress": False},
-    )
-    producer.start()
+    producer = paced_replay(kafka_bootstrap, source, names.input, rate=60.0)
     zombie = start_worker(kafka_bootstrap, names, group, instance_id="same", log_dir=tmp_path)
     time.sleep(5)
     # Same instance id, so the same transactional id: the newcomer's init_transactions fences

@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pipeline.offline import run_generations
 from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.conftest import REPO_ROOT, real_tokenizer_path
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
+from workers.replay import replay
 from workers.topics import TopicNames, ensure_topics
 
 QWEN_MODEL_VOCAB = 151_936
@@ -101,6 +103,16 @@ def make_generations(count: int, seed: int = 7) -> list[dict]:
     return generations
 
 
+def paced_replay(bootstrap: str, source: Path, topic: str, rate: float) -> threading.Thread:
+    """Replay `source` at `rate` events/s in the background, so workers can be killed, added
+    and removed while the stream is still flowing; join the thread to wait for the end."""
+    thread = threading.Thread(
+        target=replay, args=(bootstrap, source, topic), kwargs={"rate": rate, "progress": False}
+    )
+    thread.start()
+    return thread
+
+
 def write_jsonl(path: Path, records: Iterable[dict | str]) -> Path:
     with path.open("w", encoding="utf-8") as handle:
         for record in records:
@@ -119,15 +131,7 @@ def offline_completions(path: Path, registry: TokenizerRegistry) -> dict[str, di
 
 
 def pipeline_topics(bootstrap: str, partitions: int = 4) -> TopicNames:
-    prefix = unique_name("wt")
-    names = TopicNames(
-        input=f"{prefix}.tokens",
-        deltas=f"{prefix}.deltas",
-        completions=f"{prefix}.completions",
-        metrics=f"{prefix}.metrics",
-        dead_letters=f"{prefix}.dead-letters",
-        changelog=f"{prefix}.changelog",
-    )
+    names = TopicNames.with_prefix(unique_name("wt"))
     ensure_topics(bootstrap, names, partitions)
     return names
 
