@@ -232,7 +232,7 @@ def test_poison_input_is_dead_lettered_with_headers_and_the_rest_completes(
         names,
         unique_name("g"),
         instance_id="poison",
-        extra=["--exit-when-idle", "7", "--request-ttl", "4"],
+        extra=["--exit-when-idle", "9", "--request-ttl", "4"],
         log_dir=tmp_path,
     )
     assert wait_exit(worker) == 0
