@@ -200,6 +200,7 @@ class _Work:
     request_id: str
     state: ActiveRequest
     events: list[HeldEvent] = field(default_factory=list)
+    finished: bool = False  # the last of `events` is the request's finish
 
 
 class RequestProcessor:
@@ -250,6 +251,11 @@ class RequestProcessor:
     ) -> None:
         request_id = event.request_id
         state = self.requests.get(request_id)
+        if type(state) is ActiveRequest and type(event) is not PromptEvent:
+            # The common case first: the next event of a live request.
+            state.last_event_at = now
+            self._sequence_active(request_id, state, event, origin, work, result)
+            return
         if isinstance(event, PromptEvent):
             if state is None:
                 self._open(event, origin, now, result)
@@ -300,34 +306,42 @@ class RequestProcessor:
         result: BatchResult,
     ) -> None:
         result.touched.add(request_id)
-        if event.seq < state.next_seq or event.seq in state.held:
+        seq = event.seq
+        next_seq = state.next_seq
+        held = state.held
+        if seq < next_seq or seq in held:
             result.duplicates += 1
             return
         entry = work.get(request_id)
-        if entry is not None and isinstance(entry.events[-1].event, FinishEvent):
+        if entry is not None and entry.finished:
             # Finished earlier in this very batch; the marker replaces the state after decoding.
             self._dead_letter(
                 result,
                 DeadLetterReason.EVENT_AFTER_FINISH,
                 event,
                 origin,
-                f"seq {event.seq} after finish at seq {entry.events[-1].event.seq}",
+                f"seq {seq} after finish at seq {entry.events[-1].event.seq}",
             )
             return
-        if event.seq > state.next_seq:
-            state.held[event.seq] = HeldEvent(event, origin)
-            if len(state.held) > MAX_HELD_EVENTS:
+        if seq > next_seq:
+            held[seq] = HeldEvent(event, origin)
+            if len(held) > MAX_HELD_EVENTS:
                 self._fail_gap(request_id, state, result)
                 work.pop(request_id, None)
             return
         if entry is None:
             entry = work[request_id] = _Work(request_id, state)
         entry.events.append(HeldEvent(event, origin))
-        state.next_seq += 1
-        # Events that were waiting for this one are now in order.
-        while state.next_seq in state.held and not isinstance(entry.events[-1].event, FinishEvent):
-            entry.events.append(state.held.pop(state.next_seq))
-            state.next_seq += 1
+        next_seq += 1
+        if type(event) is FinishEvent:
+            entry.finished = True
+        # Events that were waiting for this one are now in order, up to a finish.
+        while not entry.finished and next_seq in held:
+            queued = held.pop(next_seq)
+            entry.events.append(queued)
+            next_seq += 1
+            entry.finished = type(queued.event) is FinishEvent
+        state.next_seq = next_seq
 
     def _open(
         self, event: PromptEvent, origin: EventOrigin, now: float, result: BatchResult
@@ -382,15 +396,7 @@ class RequestProcessor:
     def _decode(self, work: Sequence[_Work], result: BatchResult) -> None:
         # Only requests still active get decoded: a gap overflow may have failed one meanwhile.
         work = [w for w in work if self.requests.get(w.request_id) is w.state]
-        chunks = [
-            [
-                t
-                for held in w.events
-                if isinstance(held.event, TokensEvent)
-                for t in held.event.token_ids
-            ]
-            for w in work
-        ]
+        chunks = [_joined_ids(w.events) for w in work]
         outcomes = decode_round(
             [(w.state.stream, chunk) for w, chunk in zip(work, chunks, strict=True)]
         )
@@ -667,6 +673,16 @@ class RequestProcessor:
     @property
     def active_requests(self) -> int:
         return sum(isinstance(s, ActiveRequest) for s in self.requests.values())
+
+
+def _joined_ids(events: Sequence[HeldEvent]) -> list[int]:
+    """The generated ids of a request's in-order events, as one chunk (list extends, no
+    per-id Python loop: this runs for every active request of every batch)."""
+    ids: list[int] = []
+    for held in events:
+        if type(held.event) is TokensEvent:
+            ids += held.event.token_ids
+    return ids
 
 
 def _failing_event_index(events: Sequence[HeldEvent], bad_index: int) -> int:
