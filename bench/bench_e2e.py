@@ -50,6 +50,7 @@ from schemas.validation import parse_event
 from workers.broker import answers_metadata, start_broker
 from workers.replay import replay, replay_events
 from workers.topics import TopicNames, ensure_topics
+from workers.worker import tune_garbage_collector
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 16
@@ -140,6 +141,7 @@ def core_throughput(workload: Workload) -> float:
     registry = registry_of(workload)
     processor = RequestProcessor(registry)
     processor.warm_up()
+    tune_garbage_collector()  # the worker's own collector policy, for a like-for-like ratio
     started = time.perf_counter()
     for start in range(0, len(parsed), CORE_BATCH):
         processor.process(parsed[start : start + CORE_BATCH])

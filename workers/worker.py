@@ -125,6 +125,24 @@ class RunStats:
         )
 
 
+def tune_garbage_collector() -> None:
+    """Set the collector up for a throughput process, once its long-lived tables exist.
+
+    Call after the decode tables are built (`RequestProcessor.warm_up`).
+    """
+    # The tokenizers' decode tables are long-lived containers (tens of thousands of tracked
+    # objects for three models); left in the collector's care, every full collection would walk
+    # them all again. They live as long as the process, so take them out of collection for good.
+    gc.freeze()
+    # Each batch allocates thousands of short-lived objects (events, origins, deltas) while
+    # the live request state is large and long-lived. With the default thresholds (a young
+    # collection every 700 allocations) the collector ran dozens of times per batch and its
+    # older-generation passes re-walked the whole request state: 25-35% of the processing
+    # time in the core benchmark. Our objects rarely form cycles (refcounting frees them), so
+    # collecting far less often only delays the rare cyclic garbage.
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 50, 100)
+
+
 class FatalWorkerError(Exception):
     """The worker cannot go on (fenced, fatal producer error, lost delivery under ALOS)."""
 
@@ -165,18 +183,7 @@ class Worker:
             finished_retention_s=settings.finished_retention_s,
         )
         self.processor.warm_up()
-        # The decode tables just built are hundreds of thousands of long-lived objects (a bytes
-        # object per vocabulary entry); left in the collector's care, every full collection would
-        # walk them all, a pause of tens of milliseconds in the middle of a batch. They live as
-        # long as the process, so take them out of collection for good.
-        gc.freeze()
-        # Each batch allocates thousands of short-lived objects (events, origins, deltas) while
-        # the live request state is large and long-lived. With the default thresholds (a young
-        # collection every 700 allocations) the collector ran dozens of times per batch and its
-        # older-generation passes re-walked the whole request state: 25-35% of the processing
-        # time in the core benchmark. Our objects rarely form cycles (refcounting frees them), so
-        # collecting far less often only delays the rare cyclic garbage.
-        gc.set_threshold(GC_YOUNG_THRESHOLD, 50, 100)
+        tune_garbage_collector()
         self.owner: dict[str, int] = {}  # request id -> input partition
         self.assigned: set[int] = set()
         self.restoring: set[int] = set()
