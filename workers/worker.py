@@ -188,7 +188,6 @@ class Worker:
         self.assigned: set[int] = set()
         self.restoring: set[int] = set()
         self.at_end: set[int] = set()
-        self.ever_assigned = False
         self.checkpoint = _Checkpoint.fresh()
         self.running = True
         self.last_message_at = time.monotonic()
@@ -559,7 +558,6 @@ class Worker:
         numbers = [tp.partition for tp in partitions]
         log.info("assigned partitions %s", numbers)
         self.assigned.update(numbers)
-        self.ever_assigned = True
         self._begin_restore(numbers)
         self.metrics.rebalances.labels(event="assign").inc()
 
