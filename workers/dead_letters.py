@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from pipeline.processor import DeadLetter
+from workers.kafka_options import add_bootstrap_servers
 from workers.topics import TopicNames
 
 CONNECT = "__connect.errors."
@@ -143,9 +143,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     redrive_parser = actions.add_parser(
         "redrive", help="re-produce dead letters to the input topic (original key and value)"
     )
-    redrive_parser.add_argument(
-        "--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    )
+    add_bootstrap_servers(redrive_parser)
     redrive_parser.add_argument("--input-topic", default=TopicNames().input)
     redrive_parser.add_argument("--dead-letter-topic", default=TopicNames().dead_letters)
     redrive_parser.add_argument("--reason", help="only dead letters of this reason")
@@ -153,9 +151,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cli_redrive(args: argparse.Namespace) -> int:
-    if not args.bootstrap_servers:
-        print("detok dlq redrive: no --bootstrap-servers", file=sys.stderr)
-        return 2
     names = TopicNames(input=args.input_topic, dead_letters=args.dead_letter_topic)
     sent = redrive(args.bootstrap_servers, names, reason=args.reason)
     print(f"redriven {sent} dead letters to {names.input}")

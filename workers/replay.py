@@ -9,7 +9,6 @@ them keyed by request id with Java's murmur2 partitioner. Collect reads the comp
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import uuid
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from schemas.events import Completion, LoggedGeneration
 from schemas.validation import Rejection, parse_model
+from workers.kafka_options import add_bootstrap_servers
 from workers.topics import TopicNames
 
 # Requests in flight at once while replaying; like `detok run`'s window, so per-partition event
@@ -161,9 +161,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     replay_parser = subparsers.add_parser(
         "replay", help="produce logged generations (detok run input) as events to the input topic"
     )
-    replay_parser.add_argument(
-        "--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    )
+    add_bootstrap_servers(replay_parser)
     replay_parser.add_argument("--input", required=True, type=Path)
     replay_parser.add_argument("--topic", default=TopicNames().input)
     replay_parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
@@ -175,9 +173,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     collect_parser = subparsers.add_parser(
         "collect", help="read completions into JSONL (the format of detok run), by request id"
     )
-    collect_parser.add_argument(
-        "--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    )
+    add_bootstrap_servers(collect_parser)
     collect_parser.add_argument("--output", required=True, type=Path)
     collect_parser.add_argument("--topic", default=TopicNames().completions)
     collect_parser.add_argument("--expect", type=int, help="stop after this many completions")
@@ -191,9 +187,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cli_replay(args: argparse.Namespace) -> int:
-    if not args.bootstrap_servers:
-        print("detok replay: no --bootstrap-servers", file=sys.stderr)
-        return 2
     totals = replay(
         args.bootstrap_servers,
         args.input,
@@ -210,9 +203,6 @@ def _cli_replay(args: argparse.Namespace) -> int:
 
 
 def _cli_collect(args: argparse.Namespace) -> int:
-    if not args.bootstrap_servers:
-        print("detok collect: no --bootstrap-servers", file=sys.stderr)
-        return 2
     completions = collect(
         args.bootstrap_servers, args.topic, expect=args.expect, idle_timeout_s=args.timeout
     )

@@ -16,7 +16,6 @@ usually does too, so every topic is created here with the shape the pipeline rel
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from typing import Annotated
@@ -24,6 +23,8 @@ from typing import Annotated
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.kafka_options import add_bootstrap_servers
 
 # Kafka's own topic-name rule: legal characters, at most 249 of them.
 TopicName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9._-]{1,249}$")]
@@ -190,11 +191,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
             "compaction of completions and changelog, changelog partitions == input partitions."
         ),
     )
-    ensure.add_argument(
-        "--bootstrap-servers",
-        default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
-        help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)",
-    )
+    add_bootstrap_servers(ensure)
     ensure.add_argument(
         "--partitions", type=int, default=DEFAULT_PARTITIONS, help="partitions per topic"
     )
@@ -207,12 +204,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cli_ensure(args: argparse.Namespace) -> int:
-    if not args.bootstrap_servers:
-        print(
-            "detok topics ensure: no --bootstrap-servers and KAFKA_BOOTSTRAP_SERVERS is unset",
-            file=sys.stderr,
-        )
-        return 2
     names = TopicNames(**{role: getattr(args, f"{role}_topic") for role in TopicNames.model_fields})
     try:
         result = ensure_topics(
