@@ -31,6 +31,13 @@ def generation(request_id: str, prompt: str, output: str | list[int], **extra) -
     )
 
 
+def detok_run(tokenizer: str, source: Path | str, output: Path | str, *extra: str) -> int:
+    """`detok run --tokenizer TOKENIZER --input SOURCE --output OUTPUT EXTRA...`, in process."""
+    return main(
+        ["run", "--tokenizer", tokenizer, "--input", str(source), "--output", str(output), *extra]
+    )
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
@@ -52,20 +59,8 @@ def test_run_writes_completions_in_order_and_dead_letters_with_line_numbers(
     ]
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
     output, dead = tmp_path / "out.jsonl", tmp_path / "dead.jsonl"
-    code = main(
-        [
-            "run",
-            "--tokenizer",
-            f"bytes={tokenizer_file}",
-            "--input",
-            str(source),
-            "--output",
-            str(output),
-            "--dead-letter",
-            str(dead),
-            "--chunk-size",
-            "2",
-        ]
+    code = detok_run(
+        f"bytes={tokenizer_file}", source, output, "--dead-letter", str(dead), "--chunk-size", "2"
     )
     assert code == 0
     completions = read_jsonl(output)
@@ -96,22 +91,7 @@ def test_chunk_size_does_not_change_completions(tmp_path: Path, tokenizer_file: 
     results = []
     for chunk in ("1", "3", "16"):
         output = tmp_path / f"out-{chunk}.jsonl"
-        assert (
-            main(
-                [
-                    "run",
-                    "--tokenizer",
-                    f"bytes={tokenizer_file}",
-                    "--input",
-                    str(source),
-                    "--output",
-                    str(output),
-                    "--chunk-size",
-                    chunk,
-                ]
-            )
-            == 0
-        )
+        assert detok_run(f"bytes={tokenizer_file}", source, output, "--chunk-size", chunk) == 0
         results.append(output.read_text(encoding="utf-8"))
     assert results[0] == results[1] == results[2]
 
@@ -119,22 +99,6 @@ def test_chunk_size_does_not_change_completions(tmp_path: Path, tokenizer_file: 
 def test_unreadable_input_or_bad_spec_exit_2(tmp_path: Path, tokenizer_file: Path) -> None:
     out = str(tmp_path / "out.jsonl")
     missing = str(tmp_path / "missing.jsonl")
-    assert (
-        main(["run", "--tokenizer", f"bytes={tokenizer_file}", "--input", missing, "--output", out])
-        == 2
-    )
-    assert main(["run", "--tokenizer", "bytes", "--input", missing, "--output", out]) == 2
-    assert (
-        main(
-            [
-                "run",
-                "--tokenizer",
-                f"x={tmp_path / 'nope.json'}",
-                "--input",
-                missing,
-                "--output",
-                out,
-            ]
-        )
-        == 2
-    )
+    assert detok_run(f"bytes={tokenizer_file}", missing, out) == 2
+    assert detok_run("bytes", missing, out) == 2
+    assert detok_run(f"x={tmp_path / 'nope.json'}", missing, out) == 2
