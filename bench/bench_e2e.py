@@ -46,6 +46,7 @@ from pipeline.generations import generation_events
 from pipeline.processor import EventOrigin, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import LoggedGeneration
+from schemas.fast_events import encode_event
 from schemas.validation import parse_event
 from workers.broker import answers_metadata, start_broker
 from workers.replay import replay, replay_events
@@ -471,9 +472,7 @@ def memory_and_restore(
                     {**record, "request_id": f"{record['request_id']}-m{half_index}-{position}"}
                 )
                 for event in generation_events(generation, CHUNK)[:3]:
-                    producer.produce(
-                        names.input, event.model_dump_json().encode(), generation.request_id
-                    )
+                    producer.produce(names.input, encode_event(event), generation.request_id)
                 producer.poll(0)
             producer.flush(60)
             ends = end_offsets(bootstrap, names.input)

@@ -7,19 +7,20 @@ both cut it the same way, so offline and Kafka runs see the same events.
 
 from __future__ import annotations
 
-from schemas.events import FinishEvent, LoggedGeneration, PromptEvent, TokensEvent
+from schemas.events import LoggedGeneration
+from schemas.fast_events import Event, FinishEvent, PromptEvent, TokensEvent
 
 DEFAULT_CHUNK_SIZE = 16
 
 
 def generation_events(
     generation: LoggedGeneration, chunk_size: int = DEFAULT_CHUNK_SIZE
-) -> list[PromptEvent | TokensEvent | FinishEvent]:
+) -> list[Event]:
     """prompt (seq 0), tokens chunks (seq 1..k), finish (seq k+1)."""
     if chunk_size < 1:
         raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
     request_id = generation.request_id
-    events: list[PromptEvent | TokensEvent | FinishEvent] = [
+    events: list[Event] = [
         PromptEvent(
             request_id=request_id,
             model=generation.model,

@@ -21,23 +21,20 @@ from pipeline.batch import decode_round
 from pipeline.decode_stream import DecodeStream, StrictDecodeError
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
 from pipeline.vocab_tables import profile_for
-from schemas.events import (
-    INPUT_EVENT_ADAPTER,
-    Completion,
-    DeadLetterReason,
-    FilteredIdsMetric,
+from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric, TextDelta
+from schemas.fast_events import (
+    Event,
     FinishEvent,
     PromptEvent,
-    TextDelta,
     TokensEvent,
+    event_from_json,
+    event_to_json,
 )
 
 # How many out-of-order events one request may hold while it waits for a missing seq. Producers
 # that reorder do so by a few events (retries across partitions leaders); a request whose gap
 # needs more than this is broken upstream, and holding more only grows memory and changelog.
 MAX_HELD_EVENTS = 64
-
-Event = PromptEvent | TokensEvent | FinishEvent
 
 
 @dataclass(slots=True)
@@ -634,7 +631,7 @@ class RequestProcessor:
             "metric_sent": state.metric_sent,
             "at": state.last_event_at,
             "held": [
-                {"event": held.event.model_dump(mode="json"), "origin": held.origin.to_json()}
+                {"event": event_to_json(held.event), "origin": held.origin.to_json()}
                 for held in state.held.values()
             ],
         }
@@ -655,7 +652,7 @@ class RequestProcessor:
             tokenizer = self.registry.get(snapshot["model"]).tokenizer
             held = {}
             for item in snapshot["held"]:
-                event = INPUT_EVENT_ADAPTER.validate_python(item["event"])
+                event = event_from_json(item["event"])
                 held[event.seq] = HeldEvent(event, EventOrigin.from_json(item["origin"]))
             self.requests[request_id] = ActiveRequest(
                 model=snapshot["model"],

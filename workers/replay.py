@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from schemas.events import Completion, LoggedGeneration
+from schemas.fast_events import encode_event
 from schemas.validation import Rejection, parse_model
 from workers.kafka_options import add_bootstrap_servers
 from workers.topics import TopicNames
@@ -52,9 +53,7 @@ def replay_events(lines: Iterator[bytes], chunk_size: int) -> Iterator[tuple[byt
             window.append([(None, line)])
         else:
             key = parsed.request_id.encode()
-            window.append(
-                [(key, e.model_dump_json().encode()) for e in generation_events(parsed, chunk_size)]
-            )
+            window.append([(key, encode_event(e)) for e in generation_events(parsed, chunk_size)])
         if len(window) == REPLAY_WINDOW:
             yield from _interleave(window)
             window = []

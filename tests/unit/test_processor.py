@@ -13,7 +13,8 @@ import pytest
 
 from pipeline.processor import MAX_HELD_EVENTS, EventOrigin, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.events import DeadLetterReason, FinishEvent, PromptEvent, TokensEvent
+from schemas.events import DeadLetterReason
+from schemas.fast_events import FinishEvent, PromptEvent, TokensEvent
 from tests.unit.small_tokenizers import UNKNOWN_ID, byte_level
 
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from schemas.events import DeadLetterReason, FinishEvent, PromptEvent, TokensEvent
+from schemas.events import DeadLetterReason
 from schemas.export import SCHEMA_DIR, rendered_schemas
+from schemas.fast_events import FinishEvent, PromptEvent, TokensEvent
 from schemas.validation import Rejection, parse_event
 
 

@@ -1,0 +1,148 @@
+"""The msgspec input events against the pydantic contract they mirror.
+
+`parse_event` trusts msgspec's acceptance; so whatever msgspec accepts, pydantic must accept with
+the same values. (What msgspec refuses, pydantic judges: that direction cannot drift.)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from schemas.events import INPUT_EVENT_ADAPTER, MAX_TOKEN_ID
+from schemas.fast_events import (
+    FinishEvent,
+    PromptEvent,
+    TokensEvent,
+    decode_event,
+    encode_event,
+    event_from_json,
+    event_to_json,
+)
+from schemas.validation import Rejection, parse_event
+
+MISSING = object()
+
+# Values near every bound the models set, and values of the wrong JSON type.
+ints = st.one_of(
+    st.sampled_from([-1, 0, 1, 2, MAX_TOKEN_ID, MAX_TOKEN_ID + 1, 2**63, 2**64, -(2**63) - 1]),
+    st.integers(0, 200_000),
+    st.integers(),
+)
+wrong_types = st.sampled_from([None, True, False, 1.0, 0.0, 1.5, "1", [], {}])
+bounded_strings = st.builds(
+    lambda char, size: char * size,
+    st.sampled_from(["a", "é", "\U0001f600", "\x00"]),
+    st.sampled_from([0, 1, 255, 256, 257, 511, 512, 513]),
+)
+strings = st.one_of(st.text(max_size=20), bounded_strings)
+id_lists = st.one_of(
+    st.lists(ints, max_size=6),
+    st.lists(st.one_of(ints, wrong_types), max_size=4),
+    wrong_types,
+)
+
+
+def field(values: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """A field's value; one time in ten of the wrong type, one in twenty absent."""
+    return st.integers(0, 19).flatmap(
+        lambda roll: wrong_types if roll < 2 else st.just(MISSING) if roll == 2 else values
+    )
+
+
+records = st.builds(
+    lambda fields, extra, order: _ordered(fields, extra, order),
+    st.fixed_dictionaries(
+        {
+            "type": field(st.sampled_from(["prompt", "tokens", "finish", "delta", "Prompt"])),
+            "request_id": field(strings),
+            "model": field(strings),
+            "seq": field(ints),
+            "prompt_token_ids": field(id_lists),
+            "token_ids": field(id_lists),
+            "skip_special_tokens": field(st.booleans()),
+            "finish_reason": field(st.one_of(st.none(), strings)),
+        }
+    ),
+    st.dictionaries(st.sampled_from(["ts", "extra", "x"]), st.integers(), max_size=2),
+    st.randoms(use_true_random=False),
+)
+
+
+valid_ids = st.lists(st.integers(0, MAX_TOKEN_ID), max_size=8)
+valid_text = st.text(min_size=1, max_size=12)
+valid_records = st.builds(
+    lambda event, extra, order: _ordered(event_to_json(event), extra, order),
+    st.one_of(
+        st.builds(PromptEvent, request_id=valid_text, model=valid_text, prompt_token_ids=valid_ids),
+        st.builds(
+            TokensEvent, request_id=valid_text, seq=st.integers(1, 2**40), token_ids=valid_ids
+        ),
+        st.builds(
+            FinishEvent,
+            request_id=valid_text,
+            seq=st.integers(1, 2**40),
+            finish_reason=st.one_of(st.none(), st.text(max_size=8)),
+        ),
+    ),
+    st.dictionaries(st.sampled_from(["ts", "extra", "x"]), st.integers(), max_size=2),
+    st.randoms(use_true_random=False),
+)
+
+
+def _ordered(fields: dict[str, Any], extra: dict[str, Any], order: Any) -> bytes:
+    items = [(k, v) for k, v in fields.items() if v is not MISSING] + list(extra.items())
+    order.shuffle(items)
+    return json.dumps(dict(items), ensure_ascii=order.random() < 0.5).encode()
+
+
+def _contract(raw: bytes) -> dict[str, Any] | None:
+    try:
+        return INPUT_EVENT_ADAPTER.validate_json(raw).model_dump(mode="json")
+    except ValidationError:
+        return None
+
+
+@settings(max_examples=1500)
+@given(st.one_of(records, valid_records))
+def test_msgspec_accepts_only_what_the_contract_accepts(raw: bytes) -> None:
+    contract = _contract(raw)
+    try:
+        fast = event_to_json(decode_event(raw))
+    except Exception:
+        fast = None
+    if fast is not None:
+        assert fast == contract
+    parsed = parse_event(raw)
+    if contract is None:
+        assert isinstance(parsed, Rejection)
+    else:
+        assert event_to_json(parsed) == contract
+
+
+@given(st.binary(max_size=40).map(lambda tail: b'{"type":"tokens","request_id":"r",' + tail))
+def test_damaged_bytes_are_judged_alike(raw: bytes) -> None:
+    assert isinstance(parse_event(raw), Rejection) == (_contract(raw) is None)
+
+
+def test_inputs_only_the_contract_accepts_still_parse() -> None:
+    repeated = b'{"type":"tokens","type":"finish","request_id":"r","seq":1}'
+    float_seq = b'{"type":"prompt","request_id":"r","model":"m","seq":0.0,"prompt_token_ids":[]}'
+    assert parse_event(repeated) == FinishEvent(request_id="r", seq=1)
+    assert parse_event(float_seq) == PromptEvent(request_id="r", model="m", prompt_token_ids=[])
+
+
+def test_encoding_is_what_the_contract_writes() -> None:
+    events = [
+        PromptEvent(request_id="r", model="m", prompt_token_ids=[1, 2]),
+        TokensEvent(request_id="r", seq=1, token_ids=[3]),
+        FinishEvent(request_id="r", seq=2, finish_reason="stop"),
+    ]
+    for event in events:
+        wire = encode_event(event)
+        assert wire == INPUT_EVENT_ADAPTER.validate_json(wire).model_dump_json().encode()
+        assert event_from_json(event_to_json(event)) == event
