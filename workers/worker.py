@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -40,11 +41,12 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from pipeline.processor import BatchResult, DeadLetter, Delta, EventOrigin, RequestProcessor
+from pipeline.processor import BatchResult, DeadLetter, Delta, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.validation import Rejection, parse_event
 from workers.config import WorkerSettings
 from workers.dead_letters import dead_letter_headers, dead_letter_key
+from workers.kafka_origin import KafkaOrigin
 from workers.metrics import WorkerMetrics
 
 log = logging.getLogger("detok.worker")
@@ -352,17 +354,8 @@ class Worker:
             records += 1
             self.at_end.discard(partition)
             offsets[partition] = message.offset() + 1
-            headers = message.headers()
-            origin = EventOrigin(
-                message.topic(),
-                partition,
-                message.offset(),
-                message.value() or b"",
-                message.key(),
-                tuple(headers) if headers else (),
-                message.timestamp()[1],
-            )
-            event = parse_event(origin.value)
+            origin = KafkaOrigin(message)
+            event = parse_event(message.value() or b"")
             if isinstance(event, Rejection):
                 self._dead_letter(
                     DeadLetter(event.reason, event.error_class, event.message, None, None, origin)
@@ -444,7 +437,7 @@ class Worker:
             return
         started = time.perf_counter()
         for request_id, delta in checkpoint.deltas.items():
-            self._produce(self.topics.deltas, request_id, delta.to_wire().model_dump_json())
+            self._produce_raw(self.topics.deltas, request_id.encode(), delta.to_wire_json())
         self.metrics.deltas_produced.inc(len(checkpoint.deltas))
         self._write_changelog(checkpoint)
         offsets = [
@@ -468,12 +461,12 @@ class Worker:
             if partition is None:
                 continue
             snapshot = self.processor.snapshot(request_id)
-            value = None if snapshot is None else json.dumps(snapshot, separators=(",", ":"))
+            value = None if snapshot is None else msgspec.json.encode(snapshot)
             offset = checkpoint.offsets.get(partition, -1)
             self._produce_raw(
                 self.topics.changelog,
                 request_id.encode(),
-                None if value is None else value.encode(),
+                value,
                 partition=partition,
                 headers=[(PROCESSED_OFFSET_HEADER, str(offset).encode())],
             )
@@ -657,7 +650,7 @@ class Worker:
         for request_id, (partition, value) in latest.items():
             if value is None:
                 continue
-            self.processor.restore(request_id, json.loads(value))
+            self.processor.restore(request_id, msgspec.json.decode(value))
             self.owner[request_id] = partition
         self.restoring.difference_update(partitions)
         self.consumer.resume([TopicPartition(self.topics.input, p) for p in partitions])

@@ -10,10 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pipeline.processor import MAX_HELD_EVENTS, EventOrigin, RequestProcessor
+from pipeline.processor import MAX_HELD_EVENTS, Delta, EventOrigin, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.events import DeadLetterReason
+from schemas.events import DeadLetterReason, TextDelta
 from schemas.fast_events import FinishEvent, PromptEvent, TokensEvent
 from tests.unit.small_tokenizers import UNKNOWN_ID, byte_level
 
@@ -222,3 +224,12 @@ def test_snapshot_restore_continues_exactly(registry, tmp_path: Path) -> None:
     assert original.snapshot("r")["kind"] == "finished"
     restored.restore("r", None)
     assert "r" not in restored.requests
+
+
+@given(text=st.text(), final=st.booleans(), seq=st.integers(0, 2**40))
+def test_a_delta_encodes_as_the_text_delta_model(text: str, final: bool, seq: int) -> None:
+    delta = Delta("r-1", "gpt2", seq, seq + 3, text, final)
+    wire = TextDelta.model_validate_json(delta.to_wire_json())
+    assert wire == TextDelta(
+        request_id="r-1", model="gpt2", seq_start=seq, seq_end=seq + 3, text=text, final=final
+    )
