@@ -14,6 +14,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 # Token ids are u32 on every inference server and in `tokenizers`; anything else is rejected at
@@ -153,3 +154,16 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "dead-letter-record": DeadLetterRecord,
     "logged-generation": LoggedGeneration,
 }
+
+
+_JSON_ENCODER = msgspec.json.Encoder()
+
+
+def dump_json(model: BaseModel) -> bytes:
+    """`model.model_dump_json()`, ~5x faster: the worker writes one completion per request.
+
+    A validated model holds exactly its fields, in declaration order, as plain JSON values (no
+    aliases, no custom serializers in these models), so encoding them directly gives the same
+    bytes; `tests/unit/test_schemas.py` holds the two encodings equal.
+    """
+    return _JSON_ENCODER.encode(model.__dict__)

@@ -43,6 +43,7 @@ from confluent_kafka import (
 
 from pipeline.processor import BatchResult, DeadLetter, Delta, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import dump_json
 from schemas.validation import Rejection, parse_event
 from workers.config import WorkerSettings
 from workers.dead_letters import dead_letter_headers, dead_letter_key
@@ -110,6 +111,13 @@ class RunStats:
     generated_tokens: int = 0
     commits: int = 0
     rss_at_first_consume: int = 0
+    # Where the loop's time went (seconds): in consume() calls that returned records, in
+    # handling them (of which `process_s` inside the processor: parse-free decode work), and in
+    # commits. What is left of the wall time was spent waiting for input.
+    consume_s: float = 0.0
+    handle_s: float = 0.0
+    process_s: float = 0.0
+    commit_s: float = 0.0
 
     def summary(self, active_requests: int) -> str:
         return json.dumps(
@@ -120,6 +128,10 @@ class RunStats:
                 "generated_tokens": self.generated_tokens,
                 "commits": self.commits,
                 "rss_at_first_consume": self.rss_at_first_consume,
+                "consume_s": round(self.consume_s, 3),
+                "handle_s": round(self.handle_s, 3),
+                "process_s": round(self.process_s, 3),
+                "commit_s": round(self.commit_s, 3),
                 "rss_at_exit": current_rss_bytes(),
                 "peak_rss": peak_rss_bytes(),
                 "active_requests": active_requests,
@@ -304,12 +316,16 @@ class Worker:
         due_in = self.settings.commit_interval_ms / 1000 - (
             time.monotonic() - self.checkpoint.started_at
         )
+        consume_started = time.perf_counter()
         messages = self.consumer.consume(
             self.settings.max_batch, min(CONSUME_WAIT_S, max(due_in, 0.0))
         )
         now = time.time()
         if messages:
+            handle_started = time.perf_counter()
+            self.stats.consume_s += handle_started - consume_started
             self._handle(messages, now)
+            self.stats.handle_s += time.perf_counter() - handle_started
         if time.monotonic() - self.last_expire_at >= EXPIRE_INTERVAL_S:
             self.last_expire_at = time.monotonic()
             self._emit(self.processor.expire(now))
@@ -367,7 +383,9 @@ class Worker:
         if batch:
             started = time.perf_counter()
             result = self.processor.process(batch, now)
-            self.metrics.observe_batch(result, len(batch), time.perf_counter() - started)
+            processed_in = time.perf_counter() - started
+            self.stats.process_s += processed_in
+            self.metrics.observe_batch(result, len(batch), processed_in)
             self.stats.generated_tokens += result.decoded_tokens
             self._emit(result)
         self.metrics.observe_consumed(records, now)
@@ -383,10 +401,10 @@ class Worker:
                 previous.absorb(delta)
         for completion in result.completions:
             self._produce(
-                self.topics.completions, completion.request_id, completion.model_dump_json()
+                self.topics.completions, completion.request_id.encode(), dump_json(completion)
             )
         for metric in result.metrics:
-            self._produce(self.topics.metrics, metric.request_id, metric.model_dump_json())
+            self._produce(self.topics.metrics, metric.request_id.encode(), dump_json(metric))
         for letter in result.dead_letters:
             self._dead_letter(letter)
         self.checkpoint.dirty |= result.touched
@@ -395,7 +413,7 @@ class Worker:
     def _dead_letter(self, letter: DeadLetter) -> None:
         headers = dead_letter_headers(letter, self.settings.group, self.settings.instance_id)
         timestamp = letter.origin.timestamp_ms if letter.origin else None
-        self._produce_raw(
+        self._produce(
             self.topics.dead_letters,
             dead_letter_key(letter),
             letter.value,
@@ -404,10 +422,7 @@ class Worker:
         )
         self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
 
-    def _produce(self, topic: str, key: str, value: str) -> None:
-        self._produce_raw(topic, key.encode(), value.encode())
-
-    def _produce_raw(
+    def _produce(
         self,
         topic: str,
         key: bytes | None,
@@ -437,7 +452,7 @@ class Worker:
             return
         started = time.perf_counter()
         for request_id, delta in checkpoint.deltas.items():
-            self._produce_raw(self.topics.deltas, request_id.encode(), delta.to_wire_json())
+            self._produce(self.topics.deltas, request_id.encode(), delta.to_wire_json())
         self.metrics.deltas_produced.inc(len(checkpoint.deltas))
         self._write_changelog(checkpoint)
         offsets = [
@@ -452,7 +467,9 @@ class Worker:
         if committed:
             self.stats.commits += 1
             self.stats.last_commit_at = time.time()
-        self.metrics.observe_commit(time.perf_counter() - started, committed)
+        committed_in = time.perf_counter() - started
+        self.stats.commit_s += committed_in
+        self.metrics.observe_commit(committed_in, committed)
         self.metrics.active_requests.set(self.processor.active_requests)
 
     def _write_changelog(self, checkpoint: _Checkpoint) -> None:
@@ -463,7 +480,7 @@ class Worker:
             snapshot = self.processor.snapshot(request_id)
             value = None if snapshot is None else msgspec.json.encode(snapshot)
             offset = checkpoint.offsets.get(partition, -1)
-            self._produce_raw(
+            self._produce(
                 self.topics.changelog,
                 request_id.encode(),
                 value,

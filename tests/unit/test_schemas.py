@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from schemas.events import DeadLetterReason
+from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric, dump_json
 from schemas.export import SCHEMA_DIR, rendered_schemas
 from schemas.fast_events import FinishEvent, PromptEvent, TokensEvent
 from schemas.validation import Rejection, parse_event
@@ -72,3 +74,27 @@ def test_exported_json_schemas_are_current() -> None:
 def test_exported_input_schema_names_every_event_type() -> None:
     schema = json.loads(rendered_schemas()["input-event.schema.json"])
     assert set(schema["discriminator"]["mapping"]) == {"prompt", "tokens", "finish"}
+
+
+@given(
+    text=st.text(),
+    error=st.one_of(st.none(), st.text()),
+    ids=st.lists(st.integers(0, 2**32 - 1), max_size=5),
+    status=st.sampled_from(["ok", "failed"]),
+)
+def test_dump_json_is_model_dump_json(text: str, error: str | None, ids: list[int], status) -> None:
+    completion = Completion(
+        request_id="r",
+        model="m",
+        text=text,
+        status=status,
+        prompt_tokens=3,
+        generated_tokens=len(text),
+        filtered_prompt_ids=ids,
+        error=error,
+    )
+    metric = FilteredIdsMetric(
+        request_id="r", model="m", filtered_ids=ids, filtered_count=len(ids), prompt_tokens=9
+    )
+    for model in (completion, metric):
+        assert dump_json(model) == model.model_dump_json().encode()
