@@ -3,7 +3,9 @@
 On the local broker (`detok broker start`, or one this script starts), with real tokenizers:
 
   core        `RequestProcessor.process` over the same events, cut into the worker's consume
-              batches (no Kafka, no parsing): the ceiling the worker is measured against;
+              batches (no Kafka, no parsing): the ceiling the worker is measured against,
+              measured again right before each one-worker exactly-once run and paired with it
+              (and once more with parsing, from the record bytes, for reference);
   e2e         the workload is replayed first, then 1 and 2 `detok worker` processes drain it
               under exactly-once and at-least-once; generated tokens / (last commit - first
               consume), both taken from the workers' own `run summary` log lines, so replay
@@ -28,6 +30,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,10 +91,23 @@ class WorkerRun:
     generated_tokens: int
     peak_rss: int
     summaries: list[dict[str, Any]] = field(default_factory=list)
+    core_tokens_per_s: float | None = None  # the core measured right before this run
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds
+
+    def time_shares(self) -> dict[str, float]:
+        """Where the worker's wall time went (one worker): the processor, the rest of record
+        handling (parse, origins, emitting), consume() calls and commits."""
+        summary = self.summaries[0]
+        handle_rest = summary["handle_s"] - summary["process_s"]
+        return {
+            "process": summary["process_s"] / self.seconds,
+            "parse_and_handle": handle_rest / self.seconds,
+            "consume": summary["consume_s"] / self.seconds,
+            "commit": summary["commit_s"] / self.seconds,
+        }
 
 
 # -- workload -----------------------------------------------------------------------------------
@@ -132,21 +148,37 @@ def registry_of(workload: Workload) -> TokenizerRegistry:
 # -- core ---------------------------------------------------------------------------------------
 
 
-def core_throughput(workload: Workload) -> float:
-    """Generated tokens/s of the processor alone over the replay's event order and batch cut."""
-    lines = workload.path.read_bytes().splitlines()
-    parsed = [
-        (parse_event(value), EventOrigin("bench", 0, offset, value))
-        for offset, (_, value) in enumerate(replay_events(iter(lines), CHUNK))
-    ]
-    registry = registry_of(workload)
-    processor = RequestProcessor(registry)
-    processor.warm_up()
-    tune_garbage_collector()  # the worker's own collector policy, for a like-for-like ratio
-    started = time.perf_counter()
-    for start in range(0, len(parsed), CORE_BATCH):
-        processor.process(parsed[start : start + CORE_BATCH])
-    return workload.generated_tokens / (time.perf_counter() - started)
+class Core:
+    """The processor alone on the workload, in this process: the ceiling the worker is measured
+    against. Measured again right before each one-worker exactly-once run, so each ratio pairs
+    two figures taken on the same machine state (this 2-core machine is shared and noisy)."""
+
+    def __init__(self, workload: Workload) -> None:
+        lines = workload.path.read_bytes().splitlines()
+        self.values = [value for _, value in replay_events(iter(lines), CHUNK)]
+        self.parsed = [
+            (parse_event(value), EventOrigin("bench", 0, offset, value))
+            for offset, value in enumerate(self.values)
+        ]
+        self.registry = registry_of(workload)
+        self.tokens = workload.generated_tokens
+
+    def throughput(self, parse: bool = False) -> float:
+        """Generated tokens/s over the replay's event order and the worker's batch cut; with
+        `parse`, from the raw record bytes (everything the worker does but Kafka)."""
+        processor = RequestProcessor(self.registry)
+        processor.warm_up()
+        tune_garbage_collector()  # the worker's own collector policy, for a like-for-like ratio
+        started = time.perf_counter()
+        if parse:
+            for start in range(0, len(self.values), CORE_BATCH):
+                values = self.values[start : start + CORE_BATCH]
+                origins = [EventOrigin("bench", 0, start + i, v) for i, v in enumerate(values)]
+                processor.process(zip(map(parse_event, values), origins, strict=True))
+        else:
+            for start in range(0, len(self.parsed), CORE_BATCH):
+                processor.process(self.parsed[start : start + CORE_BATCH])
+        return self.tokens / (time.perf_counter() - started)
 
 
 # -- Kafka plumbing -----------------------------------------------------------------------------
@@ -558,8 +590,10 @@ def main(argv: list[str] | None = None) -> int:
 
     workload = build_workload(args.shared_dir, args.tokenizers.split(","), args.requests, cache)
     note(f"workload: {workload.requests} requests, {workload.generated_tokens} generated tokens")
-    core = core_throughput(workload)
-    note(f"core: {core:,.0f} tokens/s")
+    core = Core(workload)
+    core_alone = core.throughput()
+    core_with_parse = core.throughput(parse=True)
+    note(f"core: {core_alone:,.0f} tokens/s; with parsing: {core_with_parse:,.0f} tokens/s")
 
     input_topic = f"bench-{uuid.uuid4().hex[:8]}.tokens"
     ensure_topics(bootstrap, topics("unused", input_topic), PARTITIONS)
@@ -572,14 +606,21 @@ def main(argv: list[str] | None = None) -> int:
     # compaction make the first run of a series slower); the best run of each is reported.
     variants = [(w, g) for g in ("exactly-once", "at-least-once") for w in (1, 2)]
     best: dict[tuple[int, str], WorkerRun] = {}
+    cores = [core_alone]
     for repeat in range(args.repeats):
         for workers, guarantee in variants[repeat % 4 :] + variants[: repeat % 4]:
             profile = None
-            if args.profile and (workers, guarantee) == (1, "exactly-once") and repeat == 0:
-                args.profile.mkdir(parents=True, exist_ok=True)
-                profile = args.profile / "worker-eos.raw"
+            paired_core = None
+            if (workers, guarantee) == (1, "exactly-once"):
+                paired_core = core.throughput()
+                cores.append(paired_core)
+                if args.profile and repeat == 0:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    profile = args.profile / "worker-eos.raw"
             run = run_workers(bootstrap, workload, input_topic, workers, guarantee, logs, profile)
-            note(f"{run.label}: {run.tokens_per_s:,.0f} tokens/s ({run.seconds:.2f}s)")
+            run.core_tokens_per_s = paired_core
+            paired = f", core just before: {paired_core:,.0f}" if paired_core else ""
+            note(f"{run.label}: {run.tokens_per_s:,.0f} tokens/s ({run.seconds:.2f}s{paired})")
             key = (workers, guarantee)
             if key not in best or run.tokens_per_s > best[key].tokens_per_s:
                 best[key] = run
@@ -605,7 +646,9 @@ def main(argv: list[str] | None = None) -> int:
             "tokenizers": args.tokenizers.split(","),
             "replay_s": replay_s,
         },
-        "core_tokens_per_s": core,
+        "core_tokens_per_s": statistics.median(cores),
+        "core_runs_tokens_per_s": cores,
+        "core_with_parse_tokens_per_s": core_with_parse,
         "runs": [
             {
                 "label": r.label,
@@ -613,11 +656,13 @@ def main(argv: list[str] | None = None) -> int:
                 "guarantee": r.guarantee,
                 "seconds": r.seconds,
                 "tokens_per_s": r.tokens_per_s,
-                "vs_core": r.tokens_per_s / core,
+                "vs_core": r.tokens_per_s / (r.core_tokens_per_s or statistics.median(cores)),
+                "core_paired": r.core_tokens_per_s is not None,
                 "peak_rss": r.peak_rss,
             }
             for r in runs
         ],
+        "worker_time_shares": eos1.time_shares(),
         "exactly_once_cost": 1 - eos1.tokens_per_s / alos1.tokens_per_s,
         "latency": latencies,
         "memory": memory,
@@ -643,20 +688,42 @@ def _note(quiet: bool) -> Any:
 
 def print_table(report: dict[str, Any]) -> None:
     core = report["core_tokens_per_s"]
+    cores = report["core_runs_tokens_per_s"]
     eos1 = report["runs"][0]
     memory = report["memory"]
     interval = report["commit_interval_ms"]
-    rows = [("in-process core (no Kafka)", f"{core:,.0f} tok/s", "", "")]
+    shares = report["worker_time_shares"]
+    rows = [
+        (
+            "in-process core (processor, no Kafka)",
+            f"{core:,.0f} tok/s",
+            f"median of {len(cores)}: {min(cores):,.0f} .. {max(cores):,.0f}",
+            "",
+        ),
+        (
+            "in-process core with parsing",
+            f"{report['core_with_parse_tokens_per_s']:,.0f} tok/s",
+            "from the record bytes",
+            "",
+        ),
+    ]
     for run in report["runs"]:
+        of_core = "of the core just before" if run["core_paired"] else "of the median core"
         rows.append(
             (
                 run["label"],
                 f"{run['tokens_per_s']:,.0f} tok/s",
-                f"{run['vs_core']:.0%} of core, {run['seconds']:.2f}s",
+                f"{run['vs_core']:.0%} {of_core}, {run['seconds']:.2f}s",
                 f"peak RSS {run['peak_rss'] / 2**20:.0f} MB",
             )
         )
     rows += [
+        (
+            "  1 worker EOS: its wall time",
+            " / ".join(f"{name} {share:.0%}" for name, share in shares.items()),
+            "",
+            "",
+        ),
         (
             "1 worker EOS target",
             ">= 1,000,000 tok/s",

@@ -475,6 +475,13 @@ class Worker:
         else:
             committed = self._commit_at_least_once(offsets)
         self.checkpoint = _Checkpoint.fresh()
+        if not committed and not self.exactly_once:
+            # The outputs are out; only the offsets were refused, by a rebalance. Partitions we
+            # kept (cooperative rebalances keep most) offer them again with the next commit:
+            # dropped, an idle partition's committed offset would lag behind its end forever.
+            self.checkpoint.offsets = {
+                p: offset for p, offset in checkpoint.offsets.items() if p in self.assigned
+            }
         if committed:
             self.stats.commits += 1
             self.stats.last_commit_at = time.time()
