@@ -37,13 +37,13 @@ class WorkerSettings(BaseSettings):
     # its crashed predecessor at once (init_transactions aborts the open transaction); a random
     # one is always safe but leaves that transaction open until the transaction timeout.
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
-    # Upper bound on records per consume call: big enough to amortise the per-batch decode round
-    # and Python overhead, small enough that one batch takes milliseconds.
     # How long a silent member (a killed worker) keeps its partitions before the group moves
     # them. librdkafka's 45 s default is tuned for JVM pauses; a Python worker that heartbeats
     # from librdkafka's own thread is never silent that long unless dead, and 10 s bounds the
     # stall a kill -9 causes.
     session_timeout_ms: int = Field(10_000, ge=1000, le=300_000)
+    # Upper bound on records per consume call: big enough to amortise the per-batch decode round
+    # and Python overhead, small enough that one batch takes milliseconds.
     max_batch: int = Field(2000, ge=1, le=100_000)
     request_ttl_s: float = Field(3600.0, gt=0)
     finished_retention_s: float = Field(600.0, gt=0)
