@@ -12,7 +12,8 @@ On the local broker (`detok broker start`, or one this script starts), with real
               speed and process start-up are not part of the figure;
   latency     one exactly-once worker live while events arrive at half the measured one-worker
               rate; delay from each event's produce time to the moment a read_committed reader
-              receives the delta covering it (p50/p99);
+              receives the delta covering it (p50/p99; median run of three, and the same at
+              a quarter of the rate);
   memory      RSS growth of a worker per 10,000 active (started, unfinished) requests, as the
               slope between two fill levels so fixed costs (tokenizers, client buffers) cancel;
   restore     kill -9 of that worker, then the restore time its successor logs.
@@ -63,6 +64,8 @@ PARTITIONS = 8
 # ratio compares like with like (one decode round per batch in both).
 CORE_BATCH = 2000
 COMMIT_INTERVAL_MS = 250
+# Runs of each delay measurement; the median is reported.
+LATENCY_REPEATS = 3
 # The latency phase's generator wakes this often and produces every event then due.
 PACE_TICK_S = 0.002
 # A run that takes longer than this is stuck (the full run drains in well under a minute).
@@ -557,12 +560,13 @@ def memory_and_restore(
 
 
 def top_frames(raw: Path, limit: int = 15) -> list[tuple[float, str]]:
-    """Self-time share of the hottest frames in a py-spy raw (collapsed-stack) file."""
+    """Self-time share of the hottest frames of the worker's loop (start-up, such as loading the
+    tokenizers, left out) in a py-spy raw (collapsed-stack) file."""
     self_counts: dict[str, int] = {}
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack:
+        if "Worker._step" not in stack:
             continue
         frame = stack.rsplit(";", 1)[-1]
         self_counts[frame] = self_counts.get(frame, 0) + int(count)
@@ -640,12 +644,19 @@ def main(argv: list[str] | None = None) -> int:
     eos1 = runs[0]
     alos1 = runs[2]
     # The target is at half the maximum; a quarter shows whether a miss is load or floor.
+    # Each rate runs LATENCY_REPEATS times and the run with the median p99 is reported (all
+    # p99s alongside): on this shared machine one host-side stall of a second within an 8 s run
+    # sets that run's p99, and a median is not decided by one such stall.
     latencies = []
     for share in (0.5, 0.25):
         rate = eos1.tokens_per_s * share
-        latency = latency_run(bootstrap, workload, rate, args.latency_seconds, logs)
-        note(f"delay at {rate:,.0f} tok/s: p99 {latency['p99_ms']:.0f} ms")
-        latencies.append(latency)
+        repeats = []
+        for _ in range(LATENCY_REPEATS):
+            repeats.append(latency_run(bootstrap, workload, rate, args.latency_seconds, logs))
+            note(f"delay at {rate:,.0f} tok/s: p99 {repeats[-1]['p99_ms']:.0f} ms")
+        repeats.sort(key=lambda run: run["p99_ms"])
+        latency = repeats[len(repeats) // 2]
+        latencies.append({**latency, "p99_runs_ms": [run["p99_ms"] for run in repeats]})
     memory = memory_and_restore(bootstrap, workload, args.active, logs)
 
     report = {
@@ -752,7 +763,10 @@ def print_table(report: dict[str, Any]) -> None:
             (
                 f"delay at {latency['tokens_per_s']:,.0f} tok/s ({share} max)",
                 f"p50 {latency['p50_ms']:.0f} ms / p99 {latency['p99_ms']:.0f} ms "
-                f"(worker-side p99 {latency['worker_p99_ms']:.0f} ms)",
+                f"(worker-side p99 {latency['worker_p99_ms']:.0f} ms; p99 of the "
+                f"{len(latency['p99_runs_ms'])} runs: "
+                + ", ".join(f"{p99:.0f}" for p99 in latency["p99_runs_ms"])
+                + ")",
                 f"p99 <= {3 * interval} ms",
                 _ok(latency["p99_ms"] <= 3 * interval) if share == "1/2" else "",
             )

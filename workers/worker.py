@@ -121,6 +121,9 @@ class RunStats:
     handle_s: float = 0.0
     process_s: float = 0.0
     commit_s: float = 0.0
+    # The longest single batch and commit: what a delay tail is made of.
+    slowest_handle_s: float = 0.0
+    slowest_commit_s: float = 0.0
 
     def summary(self, active_requests: int) -> str:
         return json.dumps(
@@ -135,6 +138,8 @@ class RunStats:
                 "handle_s": round(self.handle_s, 3),
                 "process_s": round(self.process_s, 3),
                 "commit_s": round(self.commit_s, 3),
+                "slowest_handle_s": round(self.slowest_handle_s, 3),
+                "slowest_commit_s": round(self.slowest_commit_s, 3),
                 "rss_at_exit": current_rss_bytes(),
                 "peak_rss": peak_rss_bytes(),
                 "active_requests": active_requests,
@@ -336,7 +341,9 @@ class Worker:
             handle_started = time.perf_counter()
             self.stats.consume_s += handle_started - consume_started
             self._handle(messages, now)
-            self.stats.handle_s += time.perf_counter() - handle_started
+            handled_in = time.perf_counter() - handle_started
+            self.stats.handle_s += handled_in
+            self.stats.slowest_handle_s = max(self.stats.slowest_handle_s, handled_in)
         if time.monotonic() - self.last_expire_at >= EXPIRE_INTERVAL_S:
             self.last_expire_at = time.monotonic()
             self._emit(self.processor.expire(now))
@@ -487,6 +494,7 @@ class Worker:
             self.stats.last_commit_at = time.time()
         committed_in = time.perf_counter() - started
         self.stats.commit_s += committed_in
+        self.stats.slowest_commit_s = max(self.stats.slowest_commit_s, committed_in)
         self.metrics.observe_commit(committed_in, committed)
         self.metrics.active_requests.set(self.processor.active_requests)
 
