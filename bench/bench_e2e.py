@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from tokenizers import Tokenizer
 
 from bench.workload import generations
@@ -54,7 +54,7 @@ from schemas.fast_events import encode_event
 from schemas.validation import parse_event
 from workers.broker import answers_metadata, start_broker
 from workers.replay import replay, replay_events
-from workers.topics import TopicNames, ensure_topics
+from workers.topics import TopicNames, delete_topics, ensure_topics
 from workers.worker import tune_garbage_collector
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -246,6 +246,14 @@ def committed_offsets(bootstrap: str, group: str, topic: str, parts: list[int]) 
         consumer.close()
 
 
+def drop_topics(bootstrap: str, names: TopicNames, keep: str | None = None) -> None:
+    """Delete a measured run's topics (all but `keep`): a broker left with every run's
+    partitions slows down the runs after it (see `workers.topics.delete_topics`)."""
+    wanted = [topic for topic in names.model_dump().values() if topic != keep]
+    for topic in delete_topics(bootstrap, wanted):
+        print(f"# could not delete topic {topic}", file=sys.stderr)
+
+
 def summaries(log: Path) -> list[dict[str, Any]]:
     return [json.loads(m.group(1)) for m in SUMMARY.finditer(log.read_text())]
 
@@ -306,34 +314,8 @@ def run_workers(
     if tokens != workload.generated_tokens:
         raise RuntimeError(f"{label}: decoded {tokens} of {workload.generated_tokens} tokens")
     peak = max(s["peak_rss"] for s in found)
+    drop_topics(bootstrap, names, keep=input_topic)
     return WorkerRun(label, workers, guarantee, last - first, tokens, peak, found)
-
-
-def check_completions(bootstrap: str, workload: Workload, topic: str) -> int:
-    """How many committed completions differ from the workload's expectation (count only)."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"bench-check-{uuid.uuid4().hex}",
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-        }
-    )
-    parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-    consumer.assign([TopicPartition(topic, p, 0) for p in parts])
-    seen: set[str] = set()
-    remaining = set(parts)
-    try:
-        while remaining:
-            for message in consumer.consume(5000, 1.0):
-                if message.error():
-                    if message.error().code() == KafkaError._PARTITION_EOF:
-                        remaining.discard(message.partition())
-                    continue
-                seen.add(message.key().decode())
-    finally:
-        consumer.close()
-    return workload.requests - len(seen)
 
 
 # -- latency ------------------------------------------------------------------------------------
@@ -396,6 +378,7 @@ def latency_run(
         seen, created = received[(request_id, _covering(received, request_id, seq))]
         visible.append(seen - at)
         worker_side.append(created - at)
+    drop_topics(bootstrap, names)
     return {
         "events_per_s": events_per_s,
         "tokens_per_s": tokens_per_s,
@@ -543,6 +526,7 @@ def memory_and_restore(
     finally:
         successor.send_signal(signal.SIGTERM)
         successor.wait(60)
+    drop_topics(bootstrap, names)
     return {
         "active_requests": active,
         "rss_half": rss[0]["VmRSS"],
@@ -658,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         latency = repeats[len(repeats) // 2]
         latencies.append({**latency, "p99_runs_ms": [run["p99_ms"] for run in repeats]})
     memory = memory_and_restore(bootstrap, workload, args.active, logs)
+    delete_topics(bootstrap, [input_topic])
 
     report = {
         "workload": {

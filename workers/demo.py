@@ -43,7 +43,7 @@ from tokenizers import Tokenizer
 from workers import broker
 from workers.metrics import DEFAULT_METRICS_PORT
 from workers.replay import collect, replay, write_completions
-from workers.topics import TopicNames, ensure_topics
+from workers.topics import TopicNames, delete_topics, ensure_topics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SHARED_DIR = REPO_ROOT.parent / "shared"
@@ -376,17 +376,6 @@ def wait_all_consumed(workers: list[WorkerProcess], records: int) -> list[dict]:
         time.sleep(POLL_INTERVAL_S)
 
 
-def delete_topics(bootstrap: str, names: TopicNames) -> None:
-    """Drop the run's topics: every run makes new ones, and a demo broker should not fill up.
-    A failure only leaves topics behind, so it is reported, not raised."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for topic, future in admin.delete_topics(list(names.model_dump().values())).items():
-        try:
-            future.result(timeout=WAIT_BOUND_S)
-        except KafkaException as error:
-            _say(f"could not delete topic {topic}: {error}")
-
-
 # -- the command -------------------------------------------------------------------------------
 
 
@@ -474,7 +463,8 @@ def demo(args: argparse.Namespace) -> Report:
             _serve_until_interrupted(workers)
     finally:
         codes = stop_workers(workers)
-        delete_topics(bootstrap, names)
+        for topic in delete_topics(bootstrap, list(names.model_dump().values())):
+            _say(f"could not delete topic {topic}")
     report.check(
         "both workers stopped cleanly on SIGTERM",
         all(code == 0 for code in codes),

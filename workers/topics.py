@@ -130,6 +130,23 @@ def ensure_topics(
     )
 
 
+def delete_topics(bootstrap_servers: str, topics: list[str], timeout_s: float = 60.0) -> list[str]:
+    """Delete throwaway topics (a demo's, a benchmark run's); returns what could not be deleted.
+
+    Runs that make fresh topics must drop them: a local broker left with thousands of partitions
+    spends its CPU on their background upkeep, which showed up as stalled transaction commits.
+    Never raises: a leftover topic only costs disk, so callers report it and go on.
+    """
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    failed = []
+    for topic, future in admin.delete_topics(topics).items():
+        try:
+            future.result(timeout=timeout_s)
+        except KafkaException:
+            failed.append(topic)
+    return failed
+
+
 def _validate(
     admin: AdminClient, names: TopicNames, partitions: int, existing: dict[str, int]
 ) -> None:
