@@ -111,6 +111,7 @@ class RunStats:
     first_consume_at: float | None = None  # wall clock, comparable across worker processes
     last_commit_at: float | None = None
     records: int = 0
+    batches: int = 0  # consume() calls that returned records
     generated_tokens: int = 0
     commits: int = 0
     rss_at_first_consume: int = 0
@@ -131,6 +132,7 @@ class RunStats:
                 "first_consume_at": self.first_consume_at,
                 "last_commit_at": self.last_commit_at,
                 "records": self.records,
+                "batches": self.batches,
                 "generated_tokens": self.generated_tokens,
                 "commits": self.commits,
                 "rss_at_first_consume": self.rss_at_first_consume,
@@ -340,6 +342,7 @@ class Worker:
         if messages:
             handle_started = time.perf_counter()
             self.stats.consume_s += handle_started - consume_started
+            self.stats.batches += 1
             self._handle(messages, now)
             handled_in = time.perf_counter() - handle_started
             self.stats.handle_s += handled_in
