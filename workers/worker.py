@@ -27,8 +27,9 @@ import resource
 import signal
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from confluent_kafka import (
@@ -171,22 +172,43 @@ class FatalWorkerError(Exception):
     """The worker cannot go on (fenced, fatal producer error, lost delivery under ALOS)."""
 
 
+class _Output(NamedTuple):
+    """A record to produce at the next commit (a completion, a metric event, a dead letter)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] | None = None
+    timestamp: int = 0
+
+
 @dataclass
 class _Checkpoint:
-    """What has happened since the last commit."""
+    """What has happened since the last commit.
+
+    Every output waits here until the commit: under exactly-once the previous transaction may
+    still be committing on the committer thread, and nothing may be produced until it is done.
+    """
 
     offsets: dict[int, int]  # input partition -> next offset to consume
     dirty: set[str]  # requests whose snapshot must be rewritten
     deltas: dict[str, Delta]  # request -> its coalesced delta
+    outputs: list[_Output]
     started_at: float
 
     @classmethod
     def fresh(cls) -> _Checkpoint:
-        return cls({}, set(), {}, time.monotonic())
+        return cls({}, set(), {}, [], time.monotonic())
 
     @property
     def empty(self) -> bool:
-        return not (self.offsets or self.dirty or self.deltas)
+        return not (self.offsets or self.dirty or self.deltas or self.outputs)
+
+
+class _TransactionOutcome(NamedTuple):
+    committed: bool  # False: it must be aborted and the worker rolled back
+    seconds: float  # from sending the offsets to the next transaction begun
+    finished_at: float  # wall clock
 
 
 class Worker:
@@ -222,6 +244,12 @@ class Worker:
         self.stats = RunStats()
         self.consumer = Consumer(self._consumer_config())
         self.producer = Producer(self._producer_config())
+        # Committing a transaction is a few broker round trips (offsets, then EndTxn) during
+        # which the worker used to wait: 10-17% of its time draining, and under live load,
+        # when the broker answers slower, up to a third. One committer thread waits instead,
+        # while the loop goes on decoding into the next checkpoint (it releases the GIL).
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detok-commit")
+        self._in_flight: Future[_TransactionOutcome] | None = None
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -314,6 +342,14 @@ class Worker:
         self.running = False
 
     def _close(self, abort: bool) -> None:
+        if self._in_flight is not None:
+            # Only after a failure: its outcome no longer matters, but it must end first.
+            try:
+                self._in_flight.result()
+            except (KafkaException, FatalWorkerError):
+                log.warning("the last transaction failed too", exc_info=True)
+            self._in_flight = None
+        self._committer.shutdown()
         if abort and self.exactly_once:
             try:
                 self.producer.abort_transaction(KAFKA_TIMEOUT_S)
@@ -352,7 +388,7 @@ class Worker:
             self._emit(self.processor.expire(now))
         elapsed_ms = (time.monotonic() - self.checkpoint.started_at) * 1000
         if elapsed_ms >= self.settings.commit_interval_ms:
-            self._commit()
+            self._commit(wait=False)
         self.producer.poll(0)
         if self._idle_long_enough():
             log.info("every assigned partition is at its end and idle; stopping")
@@ -420,12 +456,13 @@ class Worker:
                 deltas[delta.request_id] = delta
             else:
                 previous.absorb(delta)
+        outputs = self.checkpoint.outputs
         for completion in result.completions:
-            self._produce(
-                self.topics.completions, completion.request_id.encode(), dump_json(completion)
-            )
+            key = completion.request_id.encode()
+            outputs.append(_Output(self.topics.completions, key, dump_json(completion)))
         for metric in result.metrics:
-            self._produce(self.topics.metrics, metric.request_id.encode(), dump_json(metric))
+            key = metric.request_id.encode()
+            outputs.append(_Output(self.topics.metrics, key, dump_json(metric)))
         for letter in result.dead_letters:
             self._dead_letter(letter)
         self.checkpoint.dirty |= result.touched
@@ -434,12 +471,14 @@ class Worker:
     def _dead_letter(self, letter: DeadLetter) -> None:
         headers = dead_letter_headers(letter, self.settings.group, self.settings.instance_id)
         timestamp = letter.origin.timestamp_ms if letter.origin else None
-        self._produce(
-            self.topics.dead_letters,
-            dead_letter_key(letter),
-            letter.value,
-            headers=headers,
-            timestamp=timestamp or 0,
+        self.checkpoint.outputs.append(
+            _Output(
+                self.topics.dead_letters,
+                dead_letter_key(letter),
+                letter.value,
+                headers,
+                timestamp or 0,
+            )
         )
         self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
 
@@ -466,12 +505,27 @@ class Worker:
 
     # -- commit -------------------------------------------------------------------------------
 
-    def _commit(self) -> None:
+    def _commit(self, wait: bool = True) -> None:
+        """Produce the checkpoint's outputs and commit them with its offsets.
+
+        Under exactly-once the transaction commits on the committer thread; `wait=False` (the
+        loop's periodic commit) returns at once and the next commit settles it first. Every
+        other caller (shutdown, a revoke) waits for the outcome.
+        """
+        started = time.perf_counter()
+        self._settle()  # may roll back, which replaces the checkpoint
         checkpoint = self.checkpoint
         if checkpoint.empty:
             checkpoint.started_at = time.monotonic()
             return
-        started = time.perf_counter()
+        for output in checkpoint.outputs:
+            self._produce(
+                output.topic,
+                output.key,
+                output.value,
+                headers=output.headers,
+                timestamp=output.timestamp,
+            )
         for request_id, delta in checkpoint.deltas.items():
             self._produce(self.topics.deltas, request_id.encode(), delta.to_wire_json())
         self.metrics.deltas_produced.inc(len(checkpoint.deltas))
@@ -480,25 +534,46 @@ class Worker:
             TopicPartition(self.topics.input, partition, offset)
             for partition, offset in sorted(checkpoint.offsets.items())
         ]
-        if self.exactly_once:
-            committed = self._commit_transaction(offsets)
-        else:
-            committed = self._commit_at_least_once(offsets)
         self.checkpoint = _Checkpoint.fresh()
-        if not committed and not self.exactly_once:
+        if self.exactly_once:
+            metadata = self.consumer.consumer_group_metadata()
+            self._in_flight = self._committer.submit(self._commit_transaction, offsets, metadata)
+            self.stats.commit_s += time.perf_counter() - started
+            if wait:
+                self._settle()
+            return
+        committed = self._commit_at_least_once(offsets)
+        if not committed:
             # The outputs are out; only the offsets were refused, by a rebalance. Partitions we
             # kept (cooperative rebalances keep most) offer them again with the next commit:
             # dropped, an idle partition's committed offset would lag behind its end forever.
             self.checkpoint.offsets = {
                 p: offset for p, offset in checkpoint.offsets.items() if p in self.assigned
             }
-        if committed:
+        seconds = time.perf_counter() - started
+        self.stats.commit_s += seconds
+        self._count_commit(_TransactionOutcome(committed, seconds, time.time()))
+
+    def _settle(self) -> None:
+        """Wait for the transaction on the committer thread; roll back if it was aborted."""
+        if self._in_flight is None:
+            return
+        waited = time.perf_counter()
+        future, self._in_flight = self._in_flight, None
+        outcome = future.result()  # a fatal error surfaces here, as it did when synchronous
+        self.stats.commit_s += time.perf_counter() - waited
+        if not outcome.committed:
+            self.producer.abort_transaction(KAFKA_TIMEOUT_S)
+            self.producer.begin_transaction()
+            self._rollback()
+        self._count_commit(outcome)
+
+    def _count_commit(self, outcome: _TransactionOutcome) -> None:
+        if outcome.committed:
             self.stats.commits += 1
-            self.stats.last_commit_at = time.time()
-        committed_in = time.perf_counter() - started
-        self.stats.commit_s += committed_in
-        self.stats.slowest_commit_s = max(self.stats.slowest_commit_s, committed_in)
-        self.metrics.observe_commit(committed_in, committed)
+            self.stats.last_commit_at = outcome.finished_at
+        self.stats.slowest_commit_s = max(self.stats.slowest_commit_s, outcome.seconds)
+        self.metrics.observe_commit(outcome.seconds, outcome.committed)
         self.metrics.active_requests.set(self.processor.active_requests)
 
     def _write_changelog(self, checkpoint: _Checkpoint) -> None:
@@ -519,9 +594,12 @@ class Worker:
             if snapshot is None:
                 del self.owner[request_id]
 
-    def _commit_transaction(self, offsets: list[TopicPartition]) -> bool:
-        """Offsets and outputs in one transaction; False if it had to be aborted."""
-        metadata = self.consumer.consumer_group_metadata()
+    def _commit_transaction(
+        self, offsets: list[TopicPartition], metadata: Any
+    ) -> _TransactionOutcome:
+        """On the committer thread: offsets into the open transaction, commit it, begin the
+        next. Touches nothing but the producer; the loop does the rest (`_settle`)."""
+        started = time.perf_counter()
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             try:
                 if offsets:
@@ -529,15 +607,12 @@ class Worker:
                     offsets = []  # sent; a retry only repeats the commit
                 self.producer.commit_transaction(KAFKA_TIMEOUT_S)
                 self.producer.begin_transaction()
-                return True
+                return _TransactionOutcome(True, time.perf_counter() - started, time.time())
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
                 if error.txn_requires_abort():
                     log.warning("transaction must abort (%s); rolling back", error)
-                    self.producer.abort_transaction(KAFKA_TIMEOUT_S)
-                    self.producer.begin_transaction()
-                    self._rollback()
-                    return False
+                    return _TransactionOutcome(False, time.perf_counter() - started, time.time())
                 if error.retriable() and attempt < COMMIT_ATTEMPTS:
                     log.warning("commit attempt %d failed (%s); retrying", attempt, error)
                     time.sleep(COMMIT_RETRY_BACKOFF_S)
@@ -615,6 +690,7 @@ class Worker:
         # Lost partitions are already someone else's: never commit for them.
         numbers = [tp.partition for tp in partitions]
         self.metrics.rebalances.labels(event="lost").inc()
+        self._settle()
         if self.exactly_once:
             self.producer.abort_transaction(KAFKA_TIMEOUT_S)
             self.producer.begin_transaction()
