@@ -3,9 +3,10 @@
 One loop, consume-transform-produce:
 
     consume a batch -> parse (bad bytes: dead letter) -> RequestProcessor.process (one decode
-    round) -> completions, metric events and dead letters produced into the open transaction,
-    deltas coalesced per request -> every commit interval: deltas, changelog snapshots of the
-    requests touched, and the consumed offsets, all in one transaction.
+    round) -> completions, metric events and dead letters kept in the checkpoint, deltas
+    coalesced per request -> every commit interval: those outputs, changelog snapshots of the
+    requests touched, and the consumed offsets, all in one transaction, which commits on a
+    committer thread while the loop decodes on (the next commit waits for it first).
 
 Per-request state (a `DecodeStream` window, the text so far, the expected seq) lives in memory,
 keyed by request id and owned by the input partition its events arrive on. Its changelog is a
