@@ -17,13 +17,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-import msgspec
-
 from pipeline.batch import decode_round
 from pipeline.decode_stream import DecodeStream, StrictDecodeError
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
 from pipeline.vocab_tables import profile_for
-from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric
+from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric, encode_json
 from schemas.fast_events import (
     Event,
     FinishEvent,
@@ -37,8 +35,6 @@ from schemas.fast_events import (
 # that reorder do so by a few events (retries across partitions leaders); a request whose gap
 # needs more than this is broken upstream, and holding more only grows memory and changelog.
 MAX_HELD_EVENTS = 64
-
-_JSON_ENCODER = msgspec.json.Encoder()
 
 
 class Origin(Protocol):
@@ -153,7 +149,7 @@ class Delta:
     def to_wire_json(self) -> bytes:
         """The `TextDelta` record, encoded directly: building and dumping the pydantic model
         took ~7 us a delta against ~1 us here, and the worker writes thousands per commit."""
-        return _JSON_ENCODER.encode(
+        return encode_json(
             {
                 "type": "delta",
                 "request_id": self.request_id,

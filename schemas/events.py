@@ -156,7 +156,9 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
 }
 
 
-_JSON_ENCODER = msgspec.json.Encoder()
+# One msgspec encoder for every record detok writes itself (compact JSON, UTF-8 as is, the same
+# bytes pydantic's `model_dump_json` writes for these plain values).
+encode_json = msgspec.json.Encoder().encode
 
 
 def dump_json(model: BaseModel) -> bytes:
@@ -166,4 +168,4 @@ def dump_json(model: BaseModel) -> bytes:
     aliases, no custom serializers in these models), so encoding them directly gives the same
     bytes; `tests/unit/test_schemas.py` holds the two encodings equal.
     """
-    return _JSON_ENCODER.encode(model.__dict__)
+    return encode_json(model.__dict__)

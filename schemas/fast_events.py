@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from schemas.events import MAX_TOKEN_ID
+from schemas.events import MAX_TOKEN_ID, encode_json
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
@@ -62,7 +62,6 @@ class FinishEvent(_Event, kw_only=True, tag="finish"):
 Event = PromptEvent | TokensEvent | FinishEvent
 
 _DECODER = msgspec.json.Decoder(Event)
-_ENCODER = msgspec.json.Encoder()
 
 
 def decode_event(raw: bytes | str) -> Event:
@@ -72,7 +71,7 @@ def decode_event(raw: bytes | str) -> Event:
 
 def encode_event(event: Event) -> bytes:
     """The record a producer would send for this event (tag first, every field written)."""
-    return _ENCODER.encode(event)
+    return encode_json(event)
 
 
 def event_to_json(event: Event) -> dict[str, Any]:

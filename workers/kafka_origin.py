@@ -51,8 +51,8 @@ class KafkaOrigin:
     def timestamp_ms(self) -> int | None:
         return self.message.timestamp()[1]
 
-    def frozen(self) -> EventOrigin:
-        return EventOrigin(
+    def to_json(self) -> dict[str, Any]:
+        origin = EventOrigin(
             self.source,
             self.partition,
             self.offset,
@@ -61,6 +61,4 @@ class KafkaOrigin:
             self.headers,
             self.timestamp_ms,
         )
-
-    def to_json(self) -> dict[str, Any]:
-        return self.frozen().to_json()
+        return origin.to_json()

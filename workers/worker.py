@@ -45,7 +45,7 @@ from confluent_kafka import (
 
 from pipeline.processor import BatchResult, DeadLetter, Delta, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.events import dump_json
+from schemas.events import dump_json, encode_json
 from schemas.validation import Rejection, parse_event
 from workers.config import WorkerSettings
 from workers.dead_letters import dead_letter_headers, dead_letter_key
@@ -583,7 +583,7 @@ class Worker:
             if partition is None:
                 continue
             snapshot = self.processor.snapshot(request_id)
-            value = None if snapshot is None else msgspec.json.encode(snapshot)
+            value = None if snapshot is None else encode_json(snapshot)
             offset = checkpoint.offsets.get(partition, -1)
             self._produce(
                 self.topics.changelog,
