@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup prometheus test lint demo clean
+.PHONY: setup prometheus test test-fast lint demo clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ lint: setup
 
 test: lint prometheus
 	$(BIN)/python -m pytest
+
+# Everything but the slow fault tests: a few minutes, for the edit-test loop.
+test-fast: lint
+	$(BIN)/python -m pytest -m "not slow"
 
 demo: setup
 	$(BIN)/detok demo

@@ -118,6 +118,18 @@ class DeadLetterReason(StrEnum):
     STRICT_DECODE_FAILURE = "strict_decode_failure"
     REQUEST_ALREADY_FAILED = "request_already_failed"
     TTL_EXPIRED = "ttl_expired"
+    # Any exception while parsing or processing one record that no rule above names: the record
+    # is set aside with the exception's class and message, and the stream goes on.
+    UNEXPECTED_ERROR = "unexpected_error"
+    # An output (completion, snapshot, dead letter) the broker would refuse as too large.
+    OUTPUT_TOO_LARGE = "output_too_large"
+    # A changelog record that cannot be turned back into request state (corrupt, an old format,
+    # a model no longer configured): the request fails instead of the worker.
+    RESTORE_FAILED = "restore_failed"
+    # The record's Kafka key differs from the request id in its value.
+    KEY_MISMATCH = "key_mismatch"
+    # A request's events arrive on more than one input partition.
+    PARTITION_MISMATCH = "partition_mismatch"
 
 
 class DeadLetterRecord(_Wire):

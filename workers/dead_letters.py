@@ -35,6 +35,11 @@ STAGE_OF_REASON = {
     "strict_decode_failure": "decode",
     "request_already_failed": "upstream_failed",
     "ttl_expired": "ttl",
+    "unexpected_error": "process",
+    "output_too_large": "produce",
+    "restore_failed": "restore",
+    "key_mismatch": "validate",
+    "partition_mismatch": "sequence",
 }
 
 
