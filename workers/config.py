@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from workers.kafka_clients import KafkaConnection
 from workers.topics import TopicNames
 
 Guarantee = Literal["exactly-once", "at-least-once"]
@@ -51,8 +52,20 @@ class WorkerSettings(BaseSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     # All interfaces, so Prometheus can scrape a container; 127.0.0.1 on a shared machine.
     metrics_host: str = "0.0.0.0"
-    # Kafka client settings passed through unchanged (e.g. security), as `key=value` pairs.
+    # How long start-up waits for the broker to describe the pipeline's topics; a broker that
+    # does not answer by then (or a missing topic) ends the worker with a message, not a hang.
+    startup_timeout_s: float = Field(30.0, gt=0, le=3600)
+    # Once stopping (SIGTERM), the worker is gone within this long even if the broker is away:
+    # the final commit and the leave are cut short. Under a container's usual 30 s grace period,
+    # so the orchestrator never has to SIGKILL a worker mid-commit.
+    shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
+    # Kafka client settings passed through unchanged to every client (e.g. security), given as a
+    # JSON object (`DETOK_KAFKA_CONFIG='{"security.protocol": "SSL"}'`).
     kafka_config: dict[str, str] = {}
+
+    @property
+    def connection(self) -> KafkaConnection:
+        return KafkaConnection(self.bootstrap_servers, self.kafka_config)
 
     @property
     def transactional_id(self) -> str:

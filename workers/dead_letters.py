@@ -1,9 +1,13 @@
 """Dead-letter records on Kafka, and `detok dlq redrive`.
 
 A dead letter keeps the original key, value, timestamp and headers, then adds error headers under
-the names Kafka Connect uses (so existing DLQ tooling reads them) plus detok's own. An existing
-header of the same name is never overwritten, as in Connect: a redriven record that fails again
-keeps the history of its first failure and gains an incremented attempt count.
+the names Kafka Connect uses (so existing DLQ tooling reads them) plus detok's own. Error headers
+already on the input record (`__connect.errors.*`, `__detok.errors.*`) are dropped, not kept:
+they describe no failure of ours, and keeping them let any producer make a record appear in the
+dead-letter topic with a reason and message of its choosing. The one exception is the attempt
+count `__detok.errors.attempt`, which `dlq redrive` sets on the records it re-produces: a valid
+count is kept (a redriven record that fails again says which attempt it was), anything else
+counts as attempt 0.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Iterable
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
@@ -44,12 +49,16 @@ STAGE_OF_REASON = {
 
 
 def dead_letter_headers(
-    letter: DeadLetter, group: str, instance_id: str
-) -> list[tuple[str, bytes]]:
-    """Original headers first, then the error headers that are not already present."""
+    letter: DeadLetter, group: str, instance_id: str, *, keep_original: bool = True
+) -> list[tuple[str, bytes | None]]:
+    """The record's own headers (error headers removed), then this failure's error headers.
+
+    `keep_original=False` leaves the record's own headers out: for an `output_too_large` dead
+    letter, which must fit even when those headers are what made the record too large.
+    """
     origin = letter.origin
-    original = list(origin.headers) if origin is not None else []
-    present = {key for key, _ in original}
+    original = _own_headers(origin.headers) if origin is not None and keep_original else []
+    attempt = _attempt(origin.headers) if origin is not None else 0
     error_headers = {
         CONNECT + "topic": origin.source if origin else "",
         CONNECT + "partition": str(origin.partition) if origin else "",
@@ -64,11 +73,27 @@ def dead_letter_headers(
         DETOK + "reason": letter.reason.value,
         DETOK + "request_id": letter.request_id or "",
         DETOK + "seq": "" if letter.seq is None else str(letter.seq),
+        ATTEMPT_HEADER: str(attempt),
     }
-    headers = original + [(k, v.encode()) for k, v in error_headers.items() if k not in present]
-    if ATTEMPT_HEADER not in present:
-        headers.append((ATTEMPT_HEADER, b"0"))
-    return headers
+    return original + [(k, v.encode("utf-8", "surrogateescape")) for k, v in error_headers.items()]
+
+
+def _own_headers(
+    headers: Iterable[tuple[str, bytes | None]],
+) -> list[tuple[str, bytes | None]]:
+    return [(k, v) for k, v in headers if not k.startswith((CONNECT, DETOK))]
+
+
+def _attempt(headers: Iterable[tuple[str, bytes | None]]) -> int:
+    """The redrive attempt the record carries; 0 when absent or not a count."""
+    for key, value in headers:
+        if key == ATTEMPT_HEADER:
+            try:
+                count = int(value or b"")
+            except ValueError:
+                return 0
+            return count if 0 <= count < 2**31 else 0
+    return 0
 
 
 def dead_letter_key(letter: DeadLetter) -> bytes | None:

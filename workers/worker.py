@@ -1,215 +1,88 @@
-"""The Kafka worker: consume token-id events, decode, produce text, exactly once.
+"""The Kafka worker: consume token-id events, decode, produce text.
 
 One loop, consume-transform-produce:
 
-    consume a batch -> parse (bad bytes: dead letter) -> RequestProcessor.process (one decode
-    round) -> completions, metric events and dead letters kept in the checkpoint, deltas
-    coalesced per request -> every commit interval: those outputs, changelog snapshots of the
-    requests touched, and the consumed offsets, all in one transaction, which commits on a
-    committer thread while the loop decodes on (the next commit waits for it first).
+    consume a batch -> record handling (parse, check key and partition, process; a record that
+    fails in any way is dead-lettered, never the stream) -> completions, filtered-id records and
+    dead letters kept in the checkpoint, deltas coalesced per request -> every commit interval:
+    those outputs, changelog snapshots of the requests touched, and the consumed offsets, handed
+    to the commit strategy (exactly-once: one transaction, committed on a committer thread while
+    the loop decodes on; at-least-once: outputs flushed, then offsets).
 
-Per-request state (a `DecodeStream` window, the text so far, the expected seq) lives in memory,
-keyed by request id and owned by the input partition its events arrive on. Its changelog is a
-compacted topic with the input's partition count: the snapshot of a request on input partition p
-is written to changelog partition p, so whoever is assigned p restores exactly p's requests.
+Per-request state (a `DecodeStream` window, the text so far, the expected seq) lives in the
+processor, keyed by request id and owned by the input partition its events arrive on; the
+changelog (workers/changelog.py) rebuilds it on assignment.
 
-Failure model (exactly-once): a crash loses the open transaction; the next owner restores the
-committed snapshots and re-consumes from the committed offsets, and read_committed readers never
-saw the aborted outputs. An abortable error does the same inside the process (abort, restore,
-rewind). A fatal error stops the worker with a non-zero exit, for the orchestrator to restart.
+Failure model: a crash loses what was not committed; the next owner restores the committed
+snapshots and re-consumes from the committed offsets. An abortable error does the same inside
+the process (abort, restore, rewind). A broker-level fatal error (fenced, not authorised, a
+broker gone past every bound) stops the worker with a non-zero exit and a message naming the
+cause, for the orchestrator to restart it. Every wait is bounded and ends on SIGTERM; once
+stopping, the worker is gone within `shutdown_timeout_s`.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
-import resource
-import signal
 import time
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
-import msgspec
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
     KafkaError,
     KafkaException,
     Message,
-    Producer,
     TopicPartition,
 )
 
-from pipeline.processor import BatchResult, DeadLetter, Delta, RequestProcessor
+from pipeline.processor import BatchResult, DeadLetter
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.events import dump_json, encode_json
-from schemas.validation import Rejection, parse_event
+from schemas.events import DeadLetterReason, dump_json
+from workers.changelog import RestoreInterrupted, apply_latest, changelog_record, read_latest
+from workers.checkpointing import (
+    Checkpoint,
+    CommitOutcome,
+    Deadline,
+    FatalWorkerError,
+    Output,
+    describe_error,
+    strategy_for,
+)
 from workers.config import WorkerSettings
 from workers.dead_letters import dead_letter_headers, dead_letter_key
-from workers.kafka_origin import KafkaOrigin
-from workers.metrics import WorkerMetrics
+from workers.kafka_clients import make_consumer, make_producer, produce
+from workers.output_limits import OutputLimits
+from workers.process_policy import StopRequest
+from workers.processor_contract import ContractProcessor
+from workers.prometheus import PrometheusMetrics
+from workers.record_handling import handle_batch
+from workers.run_stats import RunStats, current_rss_bytes
 
 log = logging.getLogger("detok.worker")
 
-# Broker round trips of a transaction commit take milliseconds on a healthy cluster; 30 s
-# covers a leader election without hanging forever on a dead broker.
+# Bounds the consumer's blocking lookups (committed offsets, metadata) while running; shortened
+# further by the shutdown deadline once stopping.
 KAFKA_TIMEOUT_S = 30.0
-# Retriable commit errors (a coordinator moving, a request timing out) are retried this many
-# times, a second apart, before the worker gives up; Quix Streams uses the same bound.
-COMMIT_ATTEMPTS = 3
-COMMIT_RETRY_BACKOFF_S = 1.0
 # Longest wait for a consume batch to fill: long enough that a busy input gives full batches
 # (one decode round amortised over max_batch events), short enough to notice signals promptly.
 CONSUME_WAIT_S = 0.1
-# Allocations between young-generation garbage collections (CPython's default is 700).
-GC_YOUNG_THRESHOLD = 100_000
-# The input fetch: see `_consumer_config`.
+# The input fetch: see `_consumer_settings`.
 FETCH_MIN_BYTES = 100_000
 FETCH_WAIT_MAX_MS = 50
 # TTL sweeps walk every request; once a second is plenty for TTLs measured in minutes.
 EXPIRE_INTERVAL_S = 1.0
-# The restore consumer's fetch wait and consume timeout: short, because it only reads to EOF.
-RESTORE_FETCH_WAIT_MS = 10
-RESTORE_CONSUME_TIMEOUT_S = 0.05
-# Offset commits that fail because the group is rebalancing: under at-least-once the partition's
-# next owner (maybe us) re-consumes from the last commit, so these are not fatal.
-REBALANCE_COMMIT_ERRORS = frozenset(
-    {
-        KafkaError.ILLEGAL_GENERATION,
-        KafkaError.REBALANCE_IN_PROGRESS,
-        KafkaError.UNKNOWN_MEMBER_ID,
-        KafkaError._ASSIGNMENT_LOST,
-    }
-)
-# Header on changelog records: the input offset the snapshot reflects (Quix's pattern). Under
-# at-least-once, a snapshot written ahead of the committed offset is skipped on restore.
-PROCESSED_OFFSET_HEADER = "__detok.processed_offset"
-
-
-def current_rss_bytes() -> int:
-    """Resident set size now (Linux /proc), for the run summary's memory-per-request figure."""
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-def peak_rss_bytes() -> int:
-    """VmHWM: this process's RSS high-water mark. (ru_maxrss survives exec on Linux, so it would
-    report the parent's peak for a worker started by a big process.)"""
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-@dataclass
-class RunStats:
-    """What one worker did, logged as one JSON line at exit so a benchmark can time the worker
-    itself (first consumed record to last commit), not the replay in front of it."""
-
-    first_consume_at: float | None = None  # wall clock, comparable across worker processes
-    last_commit_at: float | None = None
-    records: int = 0
-    batches: int = 0  # consume() calls that returned records
-    generated_tokens: int = 0
-    commits: int = 0
-    rss_at_first_consume: int = 0
-    # Where the loop's time went (seconds): in consume() calls that returned records, in
-    # handling them (of which `process_s` inside the processor: parse-free decode work), and in
-    # commits. What is left of the wall time was spent waiting for input.
-    consume_s: float = 0.0
-    handle_s: float = 0.0
-    process_s: float = 0.0
-    commit_s: float = 0.0
-    # The longest single batch and commit: what a delay tail is made of.
-    slowest_handle_s: float = 0.0
-    slowest_commit_s: float = 0.0
-
-    def summary(self, active_requests: int) -> str:
-        return json.dumps(
-            {
-                "first_consume_at": self.first_consume_at,
-                "last_commit_at": self.last_commit_at,
-                "records": self.records,
-                "batches": self.batches,
-                "generated_tokens": self.generated_tokens,
-                "commits": self.commits,
-                "rss_at_first_consume": self.rss_at_first_consume,
-                "consume_s": round(self.consume_s, 3),
-                "handle_s": round(self.handle_s, 3),
-                "process_s": round(self.process_s, 3),
-                "commit_s": round(self.commit_s, 3),
-                "slowest_handle_s": round(self.slowest_handle_s, 3),
-                "slowest_commit_s": round(self.slowest_commit_s, 3),
-                "rss_at_exit": current_rss_bytes(),
-                "peak_rss": peak_rss_bytes(),
-                "active_requests": active_requests,
-            }
-        )
-
-
-def tune_garbage_collector() -> None:
-    """Set the collector up for a throughput process, once its long-lived tables exist.
-
-    Call after the decode tables are built (`RequestProcessor.warm_up`).
-    """
-    # The tokenizers' decode tables are long-lived containers (tens of thousands of tracked
-    # objects for three models); left in the collector's care, every full collection would walk
-    # them all again. They live as long as the process, so take them out of collection for good.
-    gc.freeze()
-    # Each batch allocates thousands of short-lived objects (events, origins, deltas) while
-    # the live request state is large and long-lived. With the default thresholds (a young
-    # collection every 700 allocations) the collector ran dozens of times per batch and its
-    # older-generation passes re-walked the whole request state: 25-35% of the processing
-    # time in the core benchmark. Our objects rarely form cycles (refcounting frees them), so
-    # collecting far less often only delays the rare cyclic garbage.
-    gc.set_threshold(GC_YOUNG_THRESHOLD, 50, 100)
-
-
-class FatalWorkerError(Exception):
-    """The worker cannot go on (fenced, fatal producer error, lost delivery under ALOS)."""
-
-
-class _Output(NamedTuple):
-    """A record to produce at the next commit (a completion, a metric event, a dead letter)."""
-
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]] | None = None
-    timestamp: int = 0
-
-
-@dataclass
-class _Checkpoint:
-    """What has happened since the last commit.
-
-    Every output waits here until the commit: under exactly-once the previous transaction may
-    still be committing on the committer thread, and nothing may be produced until it is done.
-    """
-
-    offsets: dict[int, int]  # input partition -> next offset to consume
-    dirty: set[str]  # requests whose snapshot must be rewritten
-    deltas: dict[str, Delta]  # request -> its coalesced delta
-    outputs: list[_Output]
-    started_at: float
-
-    @classmethod
-    def fresh(cls) -> _Checkpoint:
-        return cls({}, set(), {}, [], time.monotonic())
-
-    @property
-    def empty(self) -> bool:
-        return not (self.offsets or self.dirty or self.deltas or self.outputs)
-
-
-class _TransactionOutcome(NamedTuple):
-    committed: bool  # False: it must be aborted and the worker rolled back
-    seconds: float  # from sending the offsets to the next transaction begun
-    finished_at: float  # wall clock
+# Requests one sweep may end. Each expiry is a completion, a dead letter and a snapshot, all in
+# the next commit: 200k requests expiring together (a producer fleet restarted) made one
+# transaction of ~600k records and tripled the worker's memory. 5,000 per sweep keeps a commit
+# to ~15k extra records and still drains 200k in under a minute.
+EXPIRE_LIMIT = 5000
+# A key longer than this is left off an `output_too_large` dead letter (the request id and the
+# input coordinates in its headers still name the record).
+MAX_TOO_LARGE_KEY_BYTES = 1024
+SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE})
 
 
 class Worker:
@@ -217,46 +90,48 @@ class Worker:
         self,
         settings: WorkerSettings,
         registry: TokenizerRegistry,
-        metrics: WorkerMetrics | None = None,
+        metrics: PrometheusMetrics,
+        limits: OutputLimits,
+        stop: StopRequest | None = None,
     ) -> None:
         self.settings = settings
         self.topics = settings.topics
-        self.exactly_once = settings.guarantee == "exactly-once"
-        self.metrics = metrics or WorkerMetrics(registry.names, registry=None)
-        self.processor = RequestProcessor(
+        self.connection = settings.connection
+        self.metrics = metrics
+        self.limits = limits
+        self.processor = ContractProcessor(
             registry,
             unknown_generated_ids=settings.unknown_generated_ids,
             request_ttl_s=settings.request_ttl_s,
             finished_retention_s=settings.finished_retention_s,
+            max_text_bytes=limits.max_text_bytes(settings.topics),
+            max_held_bytes=limits.max_held_bytes(settings.topics),
         )
         self.processor.warm_up()
-        tune_garbage_collector()
-        self.owner: dict[str, int] = {}  # request id -> input partition
+        self.stop = stop or StopRequest()
+        self.deadline = Deadline()
+        self.stop.on_stop(self._stopping)
+        self.strategy = strategy_for(settings.guarantee, settings.transactional_id, self.deadline)
+        self.owners: dict[str, int] = {}  # request id -> input partition, for requests with state
         self.assigned: set[int] = set()
         self.restoring: set[int] = set()
         self.at_end: set[int] = set()
-        self.checkpoint = _Checkpoint.fresh()
+        self.newest_timestamp: dict[int, float] = {}  # partition -> newest record time consumed
+        self.checkpoint = Checkpoint.fresh()
         self.running = True
         self.last_message_at = time.monotonic()
         self.last_expire_at = time.monotonic()
-        self._delivery_error: KafkaError | None = None
         # False once the worker stops on a fatal error: leaving the group must not commit then.
         self._commit_on_revoke = True
+        self._fatal: FatalWorkerError | None = None  # met in a callback, raised by the loop
         self.stats = RunStats()
-        self.consumer = Consumer(self._consumer_config())
-        self.producer = Producer(self._producer_config())
-        # Committing a transaction is a few broker round trips (offsets, then EndTxn) during
-        # which the worker used to wait: 10-17% of its time draining, and under live load,
-        # when the broker answers slower, up to a third. One committer thread waits instead,
-        # while the loop goes on decoding into the next checkpoint (it releases the GIL).
-        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detok-commit")
-        self._in_flight: Future[_TransactionOutcome] | None = None
+        self.consumer: Consumer = make_consumer(self.connection, self._consumer_settings())
+        self.producer = make_producer(self.connection, self._producer_settings())
 
     # -- configuration ------------------------------------------------------------------------
 
-    def _consumer_config(self) -> dict[str, Any]:
+    def _consumer_settings(self) -> dict[str, Any]:
         return {
-            "bootstrap.servers": self.settings.bootstrap_servers,
             "group.id": self.settings.group,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
@@ -271,98 +146,88 @@ class Worker:
             "queued.max.messages.kbytes": 16384,
             # With the default fetch.min.bytes=1 and input arriving continuously, every fetch
             # returned at once with a handful of records: thousands of fetches a second, and the
-            # broker serving them burnt 1.3-2 cores of this 2-core machine, starving the worker
-            # (p99 delay 1.8 s at half the maximum rate). Letting the broker gather 100 KB
-            # (~700 events) or wait 50 ms, whichever comes first, cut its CPU by half and the p99
-            # to ~0.6 s; 50 ms is a fifth of the default commit interval, the latency floor.
+            # broker serving them took more CPU than the worker itself, starving it (p99 delay
+            # 1.8 s at half the maximum rate). Letting the broker gather 100 KB (~700 events) or
+            # wait 50 ms, whichever comes first, halved its CPU and brought the p99 to ~0.6 s;
+            # 50 ms is a fifth of the default commit interval, the latency floor.
             "fetch.min.bytes": FETCH_MIN_BYTES,
             "fetch.wait.max.ms": FETCH_WAIT_MAX_MS,
             "statistics.interval.ms": 5000,
             "stats_cb": self.metrics.consumer_statistics,
-            **self.settings.kafka_config,
         }
 
-    def _producer_config(self) -> dict[str, Any]:
-        config: dict[str, Any] = {
-            "bootstrap.servers": self.settings.bootstrap_servers,
-            "enable.idempotence": True,
-            # Java clients hash keys with murmur2; so must we, or a request's outputs would land
-            # on other partitions than a Java producer would choose.
-            "partitioner": "murmur2_random",
+    def _producer_settings(self) -> dict[str, Any]:
+        return {
             # Deltas and snapshots are produced at commit, and a commit sends at once whatever
-            # lingers; so linger only batches the completions and metric events produced
+            # lingers; so linger only batches the completions and filtered-id records produced
             # between commits, and 20 ms (librdkafka's guide: > 5 ms for throughput) does that
             # without adding to the delay a reader sees.
             "linger.ms": 20,
             "batch.size": 1_000_000,
             "compression.type": "lz4",
-            **self.settings.kafka_config,
+            # As large as the largest topic takes: each record is checked against its own
+            # topic's limit before it is produced (workers/output_limits.py).
+            "message.max.bytes": self.limits.producer_message_max_bytes(),
+            **self.strategy.producer_settings(),
         }
-        if self.exactly_once:
-            config["transactional.id"] = self.settings.transactional_id
-            # An orphaned transaction (a worker killed with a random instance id) blocks
-            # read_committed readers until it times out; 30 s bounds that stall.
-            config["transaction.timeout.ms"] = 30_000
-        else:
-            config["on_delivery"] = self._on_delivery
-        return config
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def run(self) -> int:
         """Process until stopped by a signal, by `exit_when_idle_s`, or by a fatal error."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._stop)
-        if self.exactly_once:
-            self.producer.init_transactions(KAFKA_TIMEOUT_S)
-            self.producer.begin_transaction()
-        self.consumer.subscribe(
-            [self.topics.input],
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_lost,
-        )
         try:
-            while self.running:
+            self.strategy.start(self.producer)
+            self.consumer.subscribe(
+                [self.topics.input],
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_lost,
+            )
+            while self.running and not self.stop.requested:
                 self._step()
-            self._commit()
-        except FatalWorkerError:
-            log.exception("fatal error; stopping without commit")
-            self._close(abort=True)
-            return 1
-        except KafkaException:
-            log.exception("fatal Kafka error; stopping without commit")
+            self.commit()
+        except (FatalWorkerError, KafkaException) as error:
+            log.error("stopping without commit: %s%s", _message(error), self._missing_topics())
             self._close(abort=True)
             return 1
         self._close(abort=False)
         log.info("run summary %s", self.stats.summary(self.processor.active_requests))
         return 0
 
-    def _stop(self, signum: int, frame: object) -> None:
-        log.info("signal %s: finishing the batch, committing, leaving the group", signum)
-        self.running = False
+    def _stopping(self) -> None:
+        self.deadline.set_in(self.settings.shutdown_timeout_s)
 
     def _close(self, abort: bool) -> None:
-        if self._in_flight is not None:
-            # Only after a failure: its outcome no longer matters, but it must end first.
+        self.strategy.close()
+        if abort:
             try:
-                self._in_flight.result()
-            except (KafkaException, FatalWorkerError):
-                log.warning("the last transaction failed too", exc_info=True)
-            self._in_flight = None
-        self._committer.shutdown()
-        if abort and self.exactly_once:
-            try:
-                self.producer.abort_transaction(KAFKA_TIMEOUT_S)
-            except KafkaException:
-                log.warning("abort at shutdown failed", exc_info=True)
+                self.strategy.abort()
+            except (KafkaException, FatalWorkerError) as error:
+                log.warning("abort at shutdown failed: %s", _message(error))
         self._commit_on_revoke = not abort
         self.consumer.close()  # leaves the group; our revoke callback commits what is open
-        self.producer.flush(KAFKA_TIMEOUT_S)
+        try:
+            self.producer.flush(self.deadline.remaining(KAFKA_TIMEOUT_S))
+        except KafkaException as error:
+            log.warning("flush at shutdown failed: %s", _message(error))
+
+    def _missing_topics(self) -> str:
+        """Name a pipeline topic that is gone: a deleted output topic otherwise surfaces as a
+        transaction error whose text blames fencing or timeouts."""
+        try:
+            metadata = self.consumer.list_topics(timeout=self.deadline.remaining(5.0))
+        except KafkaException:
+            return ""
+        missing = [t for t in self.topics.model_dump().values() if t not in metadata.topics]
+        if not missing:
+            return ""
+        return f"; topic(s) {', '.join(missing)} no longer exist (deleted while the worker ran?)"
 
     # -- the loop -----------------------------------------------------------------------------
 
     def _step(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
         if self.restoring:
             self._restore()
         # consume() waits until the batch is full or the timeout ends; never past the commit
@@ -386,14 +251,31 @@ class Worker:
             self.stats.slowest_handle_s = max(self.stats.slowest_handle_s, handled_in)
         if time.monotonic() - self.last_expire_at >= EXPIRE_INTERVAL_S:
             self.last_expire_at = time.monotonic()
-            self._emit(self.processor.expire(now))
+            self._emit(self.processor.expire(self.ttl_reference(now), limit=EXPIRE_LIMIT))
         elapsed_ms = (time.monotonic() - self.checkpoint.started_at) * 1000
         if elapsed_ms >= self.settings.commit_interval_ms:
-            self._commit(wait=False)
+            self.commit(wait=False)
         self.producer.poll(0)
         if self._idle_long_enough():
             log.info("every assigned partition is at its end and idle; stopping")
             self.running = False
+
+    def ttl_reference(self, now: float) -> Callable[[str], float]:
+        """The time a request's idleness is measured against (contract 4).
+
+        Wall clock once its partition is caught up; until then, the newest record time consumed
+        from that partition. A backlog (after an outage, or lag) never expires requests whose
+        events are still waiting in it: their partition's clock only moves as they are read.
+        """
+        owners, at_end, newest = self.owners, self.at_end, self.newest_timestamp
+
+        def reference(request_id: str) -> float:
+            partition = owners.get(request_id)
+            if partition is None or partition in at_end:
+                return now
+            return newest.get(partition, float("-inf"))
+
+        return reference
 
     def _idle_long_enough(self) -> bool:
         idle_limit = self.settings.exit_when_idle_s
@@ -411,43 +293,42 @@ class Worker:
         if self.stats.first_consume_at is None:
             self.stats.first_consume_at = now
             self.stats.rss_at_first_consume = current_rss_bytes()
-        batch = []
-        records = 0  # partition EOFs and consumer errors are messages too, but not records
-        offsets = self.checkpoint.offsets
+        records = []  # partition EOFs and consumer errors are messages too, but not records
         for message in messages:
             error = message.error()
-            if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    self.at_end.add(message.partition())
-                    continue
-                if error.fatal():
-                    raise KafkaException(error)
+            if error is None:
+                self.at_end.discard(message.partition())
+                records.append(message)
+            elif error.code() == KafkaError._PARTITION_EOF:
+                self.at_end.add(message.partition())
+            elif error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise FatalWorkerError(f"input topic {self.topics.input} does not exist")
+            elif error.fatal():
+                raise FatalWorkerError(f"consumer: {describe_error(error)}")
+            else:
                 log.warning("consumer error: %s", error)
-                continue
-            partition = message.partition()
-            records += 1
-            self.at_end.discard(partition)
-            offsets[partition] = message.offset() + 1
-            origin = KafkaOrigin(message)
-            event = parse_event(message.value() or b"")
-            if isinstance(event, Rejection):
-                self._dead_letter(
-                    DeadLetter(event.reason, event.error_class, event.message, None, None, origin)
-                )
-                continue
-            self.owner.setdefault(event.request_id, partition)
-            batch.append((event, origin))
         self.last_message_at = time.monotonic()
-        if batch:
-            started = time.perf_counter()
-            result = self.processor.process(batch, now)
-            processed_in = time.perf_counter() - started
-            self.stats.process_s += processed_in
-            self.metrics.observe_batch(result, len(batch), processed_in)
-            self.stats.generated_tokens += result.decoded_tokens
-            self._emit(result)
-        self.metrics.observe_consumed(records, now)
-        self.stats.records += records
+        if not records:
+            return
+        started = time.perf_counter()
+        handled = handle_batch(records, self.processor, self.owners, now)
+        processed_in = time.perf_counter() - started
+        self.stats.process_s += processed_in
+        self.checkpoint.offsets.update(handled.next_offsets)
+        for partition, seconds in handled.newest_timestamp.items():
+            if seconds > self.newest_timestamp.get(partition, float("-inf")):
+                self.newest_timestamp[partition] = seconds
+        self.owners.update(handled.new_owners)
+        for letter in handled.dead_letters:
+            self._dead_letter(letter)
+        result = handled.result
+        if handled.events:
+            self.metrics.observe_batch(result, handled.events, processed_in)
+        self.stats.generated_tokens += result.decoded_tokens
+        self.checkpoint.decoded_tokens += result.decoded_tokens
+        self._emit(result)
+        self.metrics.observe_consumed(handled.records, now)
+        self.stats.records += handled.records
 
     def _emit(self, result: BatchResult) -> None:
         deltas = self.checkpoint.deltas
@@ -459,11 +340,25 @@ class Worker:
                 previous.absorb(delta)
         outputs = self.checkpoint.outputs
         for completion in result.completions:
-            key = completion.request_id.encode()
-            outputs.append(_Output(self.topics.completions, key, dump_json(completion)))
-        for metric in result.metrics:
-            key = metric.request_id.encode()
-            outputs.append(_Output(self.topics.metrics, key, dump_json(metric)))
+            request_id = completion.request_id
+            outputs.append(
+                Output(
+                    self.topics.completions,
+                    request_id.encode(),
+                    dump_json(completion),
+                    request_id=request_id,
+                )
+            )
+        for record in result.metrics:
+            request_id = record.request_id
+            outputs.append(
+                Output(
+                    self.topics.metrics,
+                    request_id.encode(),
+                    dump_json(record),
+                    request_id=request_id,
+                )
+            )
         for letter in result.dead_letters:
             self._dead_letter(letter)
         self.checkpoint.dirty |= result.touched
@@ -473,196 +368,205 @@ class Worker:
         headers = dead_letter_headers(letter, self.settings.group, self.settings.instance_id)
         timestamp = letter.origin.timestamp_ms if letter.origin else None
         self.checkpoint.outputs.append(
-            _Output(
+            Output(
                 self.topics.dead_letters,
                 dead_letter_key(letter),
                 letter.value,
                 headers,
                 timestamp or 0,
+                request_id=letter.request_id,
+                origin=letter.origin,
             )
         )
         self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
 
-    def _produce(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        *,
-        partition: int | None = None,
-        headers: list[tuple[str, bytes]] | None = None,
-        timestamp: int = 0,
-    ) -> None:
-        kwargs: dict[str, Any] = {"key": key, "headers": headers, "timestamp": timestamp}
-        if partition is not None:
-            kwargs["partition"] = partition
-        while True:
+    # -- producing ----------------------------------------------------------------------------
+
+    def _produce(self, output: Output) -> None:
+        """Produce one record, or, if its topic cannot take it, what stands in for it.
+
+        A record too large for its topic is never a fatal error: it fails only what it belongs
+        to (`_too_large`), and the stream goes on.
+        """
+        if self.limits.fits(output.topic, output.key, output.value, output.headers):
+            kwargs: dict[str, Any] = {
+                "key": output.key,
+                "headers": output.headers,
+                "timestamp": output.timestamp,
+            }
+            if output.partition is not None:
+                kwargs["partition"] = output.partition
             try:
-                self.producer.produce(topic, value, **kwargs)
+                produce(self.producer, output.topic, output.value, **kwargs)
                 return
-            except BufferError:
-                # The local queue is full: let librdkafka send, then try again.
-                self.producer.poll(0.05)
+            except KafkaException as exception:
+                error: KafkaError = exception.args[0]
+                if error.code() not in SIZE_ERRORS:
+                    raise FatalWorkerError(
+                        f"producing to {output.topic}: {describe_error(error)}"
+                    ) from None
+        self._too_large(output)
+
+    def _too_large(self, output: Output) -> None:
+        """Stand in for a record its topic refuses: fail its request, keep every reference.
+
+        - a dead letter: written without its value (the input keeps the original bytes),
+          its headers naming the input topic, partition and offset;
+        - a snapshot: the request is marked failed and its (small) failed snapshot written;
+        - a completion: replaced by a failed completion without text;
+        - a delta or a filtered-ids record: left out (the completion carries the text).
+        Each also leaves an `output_too_large` dead letter naming the request.
+        """
+        size = self.limits.record_bytes(output.key, output.value, output.headers)
+        limit = self.limits.limits[output.topic]
+        message = f"a {size}-byte record for {output.topic} exceeds its max.message.bytes ({limit})"
+        request_id = output.request_id
+        if output.topic == self.topics.dead_letters:
+            message += "; the input record keeps the original bytes"
+        elif output.topic == self.topics.changelog and request_id is not None:
+            self.processor.mark_failed(request_id, DeadLetterReason.OUTPUT_TOO_LARGE)
+            self._produce(
+                Output(
+                    output.topic,
+                    output.key,
+                    self.processor.snapshot(request_id),
+                    output.headers,
+                    partition=output.partition,
+                    request_id=request_id,
+                )
+            )
+        elif output.topic == self.topics.completions and output.value is not None:
+            replacement = json.loads(output.value)
+            replacement.update(status="failed", text="", error=f"output_too_large: {message}")
+            self._produce(
+                Output(
+                    output.topic,
+                    output.key,
+                    json.dumps(replacement).encode(),
+                    request_id=request_id,
+                )
+            )
+        letter = DeadLetter(
+            DeadLetterReason.OUTPUT_TOO_LARGE,
+            "RecordTooLarge",
+            message,
+            request_id,
+            None,
+            output.origin,
+        )
+        key = dead_letter_key(letter)
+        if key is not None and len(key) > MAX_TOO_LARGE_KEY_BYTES:
+            key = None
+        headers = dead_letter_headers(
+            letter, self.settings.group, self.settings.instance_id, keep_original=False
+        )
+        self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
+        log.warning("%s (request %s)", message, request_id)
+        if self.limits.fits(self.topics.dead_letters, key, None, headers):
+            produce(self.producer, self.topics.dead_letters, None, key=key, headers=headers)
+        else:
+            log.error("the output_too_large dead letter itself does not fit; counted only")
 
     # -- commit -------------------------------------------------------------------------------
 
-    def _commit(self, wait: bool = True) -> None:
-        """Produce the checkpoint's outputs and commit them with its offsets.
+    def commit(self, wait: bool = True) -> None:
+        """Produce the checkpoint's records and commit them with its offsets.
 
         Under exactly-once the transaction commits on the committer thread; `wait=False` (the
         loop's periodic commit) returns at once and the next commit settles it first. Every
         other caller (shutdown, a revoke) waits for the outcome.
         """
         started = time.perf_counter()
-        self._settle()  # may roll back, which replaces the checkpoint
+        self._take(self.strategy.settle())  # may roll back, which replaces the checkpoint
         checkpoint = self.checkpoint
         if checkpoint.empty:
             checkpoint.started_at = time.monotonic()
             return
         for output in checkpoint.outputs:
-            self._produce(
-                output.topic,
-                output.key,
-                output.value,
-                headers=output.headers,
-                timestamp=output.timestamp,
-            )
+            self._produce(output)
         for request_id, delta in checkpoint.deltas.items():
-            self._produce(self.topics.deltas, request_id.encode(), delta.to_wire_json())
+            self._produce(
+                Output(
+                    self.topics.deltas,
+                    request_id.encode(),
+                    delta.to_wire_json(),
+                    request_id=request_id,
+                )
+            )
         self.metrics.deltas_produced.inc(len(checkpoint.deltas))
         self._write_changelog(checkpoint)
         offsets = [
             TopicPartition(self.topics.input, partition, offset)
             for partition, offset in sorted(checkpoint.offsets.items())
         ]
-        self.checkpoint = _Checkpoint.fresh()
-        if self.exactly_once:
-            metadata = self.consumer.consumer_group_metadata()
-            self._in_flight = self._committer.submit(self._commit_transaction, offsets, metadata)
-            self.stats.commit_s += time.perf_counter() - started
-            if wait:
-                self._settle()
-            return
-        committed = self._commit_at_least_once(offsets)
-        if not committed:
-            # The outputs are out; only the offsets were refused, by a rebalance. Partitions we
-            # kept (cooperative rebalances keep most) offer them again with the next commit:
-            # dropped, an idle partition's committed offset would lag behind its end forever.
-            self.checkpoint.offsets = {
-                p: offset for p, offset in checkpoint.offsets.items() if p in self.assigned
-            }
-        seconds = time.perf_counter() - started
-        self.stats.commit_s += seconds
-        self._count_commit(_TransactionOutcome(committed, seconds, time.time()))
+        self.checkpoint = Checkpoint.fresh()
+        outcome = self.strategy.commit(self.consumer, offsets, checkpoint.decoded_tokens)
+        self.stats.commit_s += time.perf_counter() - started
+        if outcome is None and wait:
+            outcome = self.strategy.settle()
+        self._take(outcome)
 
-    def _settle(self) -> None:
-        """Wait for the transaction on the committer thread; roll back if it was aborted."""
-        if self._in_flight is None:
+    def _take(self, outcome: CommitOutcome | None) -> None:
+        """Account for a finished commit; roll back or re-offer what did not take."""
+        if outcome is None:
             return
-        waited = time.perf_counter()
-        future, self._in_flight = self._in_flight, None
-        outcome = future.result()  # a fatal error surfaces here, as it did when synchronous
-        self.stats.commit_s += time.perf_counter() - waited
-        if not outcome.committed:
-            self.producer.abort_transaction(KAFKA_TIMEOUT_S)
-            self.producer.begin_transaction()
-            self._rollback()
-        self._count_commit(outcome)
-
-    def _count_commit(self, outcome: _TransactionOutcome) -> None:
         if outcome.committed:
             self.stats.commits += 1
             self.stats.last_commit_at = outcome.finished_at
+        else:
+            self.stats.aborted_commits += 1
+            self.stats.redone_tokens += outcome.decoded_tokens
         self.stats.slowest_commit_s = max(self.stats.slowest_commit_s, outcome.seconds)
         self.metrics.observe_commit(outcome.seconds, outcome.committed)
         self.metrics.active_requests.set(self.processor.active_requests)
+        if outcome.rollback:
+            self._rollback()
+        # The outputs are out; only the offsets were refused, by a rebalance. Partitions we kept
+        # (cooperative rebalances keep most) offer them again with the next commit: dropped, an
+        # idle partition's committed offset would lag behind its end forever.
+        for partition, offset in outcome.refused_offsets.items():
+            if partition in self.assigned:
+                self.checkpoint.offsets.setdefault(partition, offset)
 
-    def _write_changelog(self, checkpoint: _Checkpoint) -> None:
+    def _write_changelog(self, checkpoint: Checkpoint) -> None:
         for request_id in checkpoint.dirty:
-            partition = self.owner.get(request_id)
+            partition = self.owners.get(request_id)
             if partition is None:
                 continue
             snapshot = self.processor.snapshot(request_id)
-            value = None if snapshot is None else encode_json(snapshot)
-            offset = checkpoint.offsets.get(partition, -1)
             self._produce(
-                self.topics.changelog,
-                request_id.encode(),
-                value,
-                partition=partition,
-                headers=[(PROCESSED_OFFSET_HEADER, str(offset).encode())],
+                changelog_record(
+                    self.topics.changelog,
+                    request_id,
+                    snapshot,
+                    partition,
+                    checkpoint.offsets.get(partition, -1),
+                )
             )
             if snapshot is None:
-                del self.owner[request_id]
-
-    def _commit_transaction(
-        self, offsets: list[TopicPartition], metadata: Any
-    ) -> _TransactionOutcome:
-        """On the committer thread: offsets into the open transaction, commit it, begin the
-        next. Touches nothing but the producer; the loop does the rest (`_settle`)."""
-        started = time.perf_counter()
-        for attempt in range(1, COMMIT_ATTEMPTS + 1):
-            try:
-                if offsets:
-                    self.producer.send_offsets_to_transaction(offsets, metadata, KAFKA_TIMEOUT_S)
-                    offsets = []  # sent; a retry only repeats the commit
-                self.producer.commit_transaction(KAFKA_TIMEOUT_S)
-                self.producer.begin_transaction()
-                return _TransactionOutcome(True, time.perf_counter() - started, time.time())
-            except KafkaException as exception:
-                error: KafkaError = exception.args[0]
-                if error.txn_requires_abort():
-                    log.warning("transaction must abort (%s); rolling back", error)
-                    return _TransactionOutcome(False, time.perf_counter() - started, time.time())
-                if error.retriable() and attempt < COMMIT_ATTEMPTS:
-                    log.warning("commit attempt %d failed (%s); retrying", attempt, error)
-                    time.sleep(COMMIT_RETRY_BACKOFF_S)
-                    continue
-                raise FatalWorkerError(f"transaction commit failed: {error}") from exception
-        raise AssertionError("unreachable")
-
-    def _commit_at_least_once(self, offsets: list[TopicPartition]) -> bool:
-        remaining = self.producer.flush(KAFKA_TIMEOUT_S)
-        if remaining or self._delivery_error is not None:
-            raise FatalWorkerError(
-                f"outputs not delivered ({remaining} pending, error {self._delivery_error}); "
-                "offsets left uncommitted so a restart reprocesses them"
-            )
-        if offsets:
-            try:
-                self.consumer.commit(offsets=offsets, asynchronous=False)
-            except KafkaException as exception:
-                error: KafkaError = exception.args[0]
-                if error.code() not in REBALANCE_COMMIT_ERRORS and not error.retriable():
-                    raise
-                # Outputs are delivered; only the offsets were refused. Whoever owns the
-                # partitions next re-consumes from the previous commit: duplicates, which
-                # at-least-once allows, and the changelog skips snapshots ahead of the commit.
-                log.warning("offset commit refused during a rebalance (%s)", error)
-                return False
-        return True
-
-    def _on_delivery(self, error: KafkaError | None, message: Message) -> None:
-        if error is not None:
-            self._delivery_error = error
+                del self.owners[request_id]
 
     def _rollback(self) -> None:
         """After an abort: forget uncommitted state, restore it, re-consume from the commit."""
         partitions = sorted(self.assigned)
-        self.checkpoint = _Checkpoint.fresh()
+        self.stats.redone_tokens += self.checkpoint.decoded_tokens
+        self.checkpoint = Checkpoint.fresh()
         self._drop_state(partitions)
         if not partitions:
             return
-        committed = self.consumer.committed(
-            [TopicPartition(self.topics.input, p) for p in partitions], KAFKA_TIMEOUT_S
-        )
-        for tp in committed:
+        for tp in self._committed(partitions):
             offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
             try:
                 self.consumer.seek(TopicPartition(self.topics.input, tp.partition, offset))
             except KafkaException:
                 log.warning("rewind of partition %d failed", tp.partition, exc_info=True)
         self._begin_restore(partitions)
+
+    def _committed(self, partitions: list[int]) -> list[TopicPartition]:
+        return self.consumer.committed(
+            [TopicPartition(self.topics.input, p) for p in partitions],
+            self.deadline.remaining(KAFKA_TIMEOUT_S),
+        )
 
     # -- rebalance and restore ----------------------------------------------------------------
 
@@ -682,19 +586,23 @@ class Worker:
         self.metrics.rebalances.labels(event="revoke").inc()
         if self._commit_on_revoke:
             try:
-                self._commit()
-            except (KafkaException, FatalWorkerError):
-                log.exception("commit on revoke failed; the next owner reprocesses")
+                self.commit()
+            except (KafkaException, FatalWorkerError) as error:
+                self.stats.redone_tokens += self.checkpoint.decoded_tokens
+                log.warning(
+                    "commit on revoke failed (%s); the next owner reprocesses", _message(error)
+                )
+                if isinstance(error, FatalWorkerError):
+                    # Raised from a librdkafka callback it would be lost; the loop raises it.
+                    self._fatal = error
         self._release(numbers)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost partitions are already someone else's: never commit for them.
         numbers = [tp.partition for tp in partitions]
         self.metrics.rebalances.labels(event="lost").inc()
-        self._settle()
-        if self.exactly_once:
-            self.producer.abort_transaction(KAFKA_TIMEOUT_S)
-            self.producer.begin_transaction()
+        self._take(self.strategy.settle())
+        self.strategy.abort()
         self._release(numbers)
         self._rollback()
 
@@ -709,13 +617,15 @@ class Worker:
 
     def _drop_state(self, partitions: Iterable[int]) -> None:
         dropped = set(partitions)
-        for request_id in [r for r, p in self.owner.items() if p in dropped]:
-            del self.owner[request_id]
-            self.processor.requests.pop(request_id, None)
+        gone = [r for r, p in self.owners.items() if p in dropped]
+        for request_id in gone:
+            del self.owners[request_id]
             self.checkpoint.dirty.discard(request_id)
             self.checkpoint.deltas.pop(request_id, None)
+        self.processor.forget(gone)
         for partition in dropped:
             self.checkpoint.offsets.pop(partition, None)
+            self.newest_timestamp.pop(partition, None)
 
     def _begin_restore(self, partitions: Iterable[int]) -> None:
         numbers = list(partitions)
@@ -726,78 +636,46 @@ class Worker:
     def _restore(self) -> None:
         """Rebuild the state of the restoring partitions from the changelog, then resume them.
 
-        Reads each changelog partition from the beginning to its end (partition EOF, never
-        "offset == high watermark - 1": under read_committed, transaction markers occupy
-        offsets and that test can hang). Compaction keeps this proportional to live requests.
+        Guarded per changelog record (workers/changelog.py): a record that cannot be restored
+        fails its request, goes to the dead-letter topic, and is counted; the rest restore.
         """
         started = time.perf_counter()
         partitions = sorted(self.restoring)
-        committed_input = self._committed_offsets(partitions)
-        restore_consumer = Consumer(
-            {
-                "bootstrap.servers": self.settings.bootstrap_servers,
-                "group.id": f"{self.settings.group}-restore",
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                "enable.partition.eof": True,
-                # The restore reads what is already there; a broker holding a fetch open for
-                # data that will never come (the default 500 ms) only delays the EOF.
-                "fetch.wait.max.ms": RESTORE_FETCH_WAIT_MS,
-                **self.settings.kafka_config,
-            }
-        )
-        # Without metadata at hand, librdkafka looks it up on its own slower schedule: asking
-        # first took an empty restore from ~2 s to ~0.1 s.
-        restore_consumer.list_topics(self.topics.changelog, KAFKA_TIMEOUT_S)
-        restore_consumer.assign(
-            [TopicPartition(self.topics.changelog, p, OFFSET_BEGINNING) for p in partitions]
-        )
-        latest: dict[str, tuple[int, bytes | None]] = {}
-        remaining = set(partitions)
+        committed_input = None
+        if self.strategy.restore_skips_ahead_of_commit:
+            committed_input = {tp.partition: tp.offset for tp in self._committed(partitions)}
         try:
-            while remaining:
-                # consume() waits out its whole timeout unless the batch fills, so a short
-                # timeout lets the loop see each partition's EOF as soon as it arrives.
-                for message in restore_consumer.consume(10_000, RESTORE_CONSUME_TIMEOUT_S):
-                    error = message.error()
-                    if error is not None:
-                        if error.code() == KafkaError._PARTITION_EOF:
-                            remaining.discard(message.partition())
-                            continue
-                        raise KafkaException(error)
-                    if not self.exactly_once and _ahead_of_commit(message, committed_input):
-                        continue
-                    latest[message.key().decode()] = (message.partition(), message.value())
-        finally:
-            restore_consumer.close()
-        for request_id, (partition, value) in latest.items():
-            if value is None:
-                continue
-            self.processor.restore(request_id, msgspec.json.decode(value))
-            self.owner[request_id] = partition
+            latest = read_latest(
+                self.connection,
+                self.settings.group,
+                self.topics.changelog,
+                partitions,
+                lambda: self.stop.requested,
+            )
+        except RestoreInterrupted as interrupted:
+            log.info("%s; leaving them unrestored", interrupted)
+            return
+        restored = apply_latest(latest, self.processor, committed_input)
+        self.owners.update(restored.owners)
+        for letter in restored.failed:
+            self._dead_letter(letter)
+            if letter.request_id is not None:
+                self.checkpoint.dirty.add(letter.request_id)
+        self.metrics.changelog_records_skipped.inc(len(restored.failed))
         self.restoring.difference_update(partitions)
         self.consumer.resume([TopicPartition(self.topics.input, p) for p in partitions])
         self.metrics.observe_restore(time.perf_counter() - started, len(self.restoring))
         self.metrics.active_requests.set(self.processor.active_requests)
         log.info(
-            "restored %d requests of partitions %s in %.2fs",
-            len(latest),
+            "restored %d requests of partitions %s in %.2fs (%d changelog records failed)",
+            len(restored.owners),
             partitions,
             time.perf_counter() - started,
+            len(restored.failed),
         )
 
-    def _committed_offsets(self, partitions: list[int]) -> dict[int, int]:
-        if self.exactly_once:
-            return {}
-        committed = self.consumer.committed(
-            [TopicPartition(self.topics.input, p) for p in partitions], KAFKA_TIMEOUT_S
-        )
-        return {tp.partition: tp.offset for tp in committed}
 
-
-def _ahead_of_commit(message: Message, committed_input: dict[int, int]) -> bool:
-    """Under at-least-once: was this snapshot written for input the group never committed?"""
-    for key, value in message.headers() or ():
-        if key == PROCESSED_OFFSET_HEADER:
-            return int(value) > committed_input.get(message.partition(), -1)
-    return False
+def _message(error: BaseException) -> str:
+    if isinstance(error, KafkaException) and error.args and isinstance(error.args[0], KafkaError):
+        return describe_error(error.args[0])
+    return str(error)

@@ -1,5 +1,5 @@
-"""WorkerMetrics: Prometheus naming conventions, pre-initialised labels, and what each observation
-does to the exposition a scraper reads."""
+"""PrometheusMetrics: Prometheus naming conventions, pre-initialised labels, and what each
+observation does to the exposition a scraper reads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.processor import BatchResult
 from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric
-from workers.metrics import EVENT_TYPES, WorkerMetrics
+from workers.prometheus import EVENT_TYPES, PrometheusMetrics
 
 MODELS = ("gpt2", "qwen2")
 # Bounds on label values per series, from the Prometheus instrumentation guide: keep labelled
@@ -20,7 +20,7 @@ MODELS = ("gpt2", "qwen2")
 MAX_LABEL_VALUES = 16
 
 
-def samples(metrics: WorkerMetrics) -> dict[tuple[str, tuple], float]:
+def samples(metrics: PrometheusMetrics) -> dict[tuple[str, tuple], float]:
     text = generate_latest(metrics.registry).decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -29,12 +29,12 @@ def samples(metrics: WorkerMetrics) -> dict[tuple[str, tuple], float]:
     }
 
 
-def value(metrics: WorkerMetrics, name: str, **labels: str) -> float:
+def value(metrics: PrometheusMetrics, name: str, **labels: str) -> float:
     return samples(metrics)[(name, tuple(sorted(labels.items())))]
 
 
 def test_names_follow_prometheus_conventions() -> None:
-    metrics = WorkerMetrics(MODELS, registry=None)
+    metrics = PrometheusMetrics(MODELS, registry=None)
     for family in metrics.registry.collect():
         assert family.name.startswith("detok_"), family.name
         names = {sample.name for sample in family.samples}
@@ -50,7 +50,7 @@ def test_names_follow_prometheus_conventions() -> None:
 
 
 def test_bounded_labels_are_pre_initialised_to_zero() -> None:
-    scraped = samples(WorkerMetrics(MODELS, registry=None))
+    scraped = samples(PrometheusMetrics(MODELS, registry=None))
     for event_type in EVENT_TYPES:
         assert scraped[("detok_events_consumed_total", (("type", event_type),))] == 0
     for reason in DeadLetterReason:
@@ -68,14 +68,14 @@ def test_bounded_labels_are_pre_initialised_to_zero() -> None:
 
 
 def test_build_info_names_version_and_models() -> None:
-    scraped = samples(WorkerMetrics(MODELS, registry=None))
+    scraped = samples(PrometheusMetrics(MODELS, registry=None))
     (labels,) = [labels for name, labels in scraped if name == "detok_build_info"]
     assert dict(labels)["models"] == "gpt2,qwen2"
     assert dict(labels)["version"]
 
 
 def test_a_batch_and_its_outputs_are_counted_once() -> None:
-    metrics = WorkerMetrics(MODELS, registry=None)
+    metrics = PrometheusMetrics(MODELS, registry=None)
     result = BatchResult()
     result.events_by_type.update(prompt=2, tokens=5, finish=1)
     result.decoded_tokens = 40
@@ -108,7 +108,7 @@ def test_a_batch_and_its_outputs_are_counted_once() -> None:
 
 
 def test_only_real_records_move_the_last_processed_timestamp() -> None:
-    metrics = WorkerMetrics(MODELS, registry=None)
+    metrics = PrometheusMetrics(MODELS, registry=None)
     metrics.observe_consumed(0, now=1_700_000_000.0)  # a poll of partition EOFs only
     assert value(metrics, "detok_last_processed_timestamp_seconds") == 0
     metrics.observe_consumed(3, now=1_700_000_001.0)
@@ -117,7 +117,7 @@ def test_only_real_records_move_the_last_processed_timestamp() -> None:
 
 
 def test_commits_count_by_outcome_and_time_only_successes() -> None:
-    metrics = WorkerMetrics(MODELS, registry=None)
+    metrics = PrometheusMetrics(MODELS, registry=None)
     metrics.observe_commit(0.01, committed=True)
     metrics.observe_commit(0.5, committed=False)
     assert value(metrics, "detok_transactions_total", outcome="committed") == 1
@@ -134,7 +134,7 @@ def _statistics(lags: dict[str, int]) -> str:
 
 
 def test_consumer_lag_per_partition_drops_partitions_that_moved_away() -> None:
-    metrics = WorkerMetrics(MODELS, registry=None)
+    metrics = PrometheusMetrics(MODELS, registry=None)
     metrics.consumer_statistics(_statistics({"0": 12, "1": 0, "2": -1}))
     lag = {
         dict(labels)["partition"]: v
@@ -153,7 +153,7 @@ def test_consumer_lag_per_partition_drops_partitions_that_moved_away() -> None:
 
 
 def test_serve_exposes_the_registry_on_the_given_interface() -> None:
-    metrics = WorkerMetrics(MODELS, registry=None)
+    metrics = PrometheusMetrics(MODELS, registry=None)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -1,22 +1,90 @@
-"""The worker's commit bookkeeping, on a worker that never reaches a broker.
+"""The commit bookkeeping, without a broker.
 
-What a broker answers is covered by tests/integration; here only what the worker keeps for its
-next commit when the group refuses one (a rebalance), which no broker produces on demand.
+What a broker answers is covered by tests/integration; here what happens when the group refuses
+an offset commit (a rebalance), which no broker produces on demand: the at-least-once strategy
+reports the refused offsets, and the worker offers them again for the partitions it kept.
 """
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.unit.small_tokenizers import byte_level
+from workers.checkpointing import AtLeastOnce, CommitOutcome, Deadline
 from workers.config import WorkerSettings
+from workers.output_limits import OutputLimits
+from workers.prometheus import PrometheusMetrics
+from workers.topics import TopicNames
 from workers.worker import Worker
+
+
+class RefusingConsumer:
+    """A consumer whose group is rebalancing: every offset commit is refused."""
+
+    def __init__(self) -> None:
+        self.offered: list[list[tuple[int, int]]] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        self.offered.append([(tp.partition, tp.offset) for tp in offsets])
+        raise KafkaException(KafkaError(KafkaError.ILLEGAL_GENERATION))
+
+
+class DeliveredProducer:
+    """A producer whose every record was delivered."""
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+
+class RecordingStrategy:
+    """A commit strategy that answers what it is told to, and records what it was offered."""
+
+    guarantee = "at-least-once"
+    restore_skips_ahead_of_commit = True
+
+    def __init__(self) -> None:
+        self.offered: list[list[tuple[int, int]]] = []
+        self.refuse = True
+
+    def producer_settings(self) -> dict:
+        return {}
+
+    def start(self, producer: object) -> None:
+        pass
+
+    def commit(
+        self, consumer: object, offsets: list[TopicPartition], decoded_tokens: int
+    ) -> CommitOutcome:
+        sent = [(tp.partition, tp.offset) for tp in offsets]
+        self.offered.append(sent)
+        refused = dict(sent) if self.refuse else {}
+        return CommitOutcome(not refused, 0.0, 0.0, decoded_tokens, refused_offsets=refused)
+
+    def settle(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_at_least_once_reports_offsets_a_rebalance_refused() -> None:
+    strategy = AtLeastOnce(Deadline())
+    strategy.start(DeliveredProducer())
+    consumer = RefusingConsumer()
+    offsets = [TopicPartition("in", 0, 10), TopicPartition("in", 1, 20)]
+    outcome = strategy.commit(consumer, offsets, decoded_tokens=7)
+    assert consumer.offered == [[(0, 10), (1, 20)]]
+    assert not outcome.committed and not outcome.rollback
+    assert outcome.refused_offsets == {0: 10, 1: 20}
+    assert outcome.decoded_tokens == 7
 
 
 @pytest.fixture
@@ -30,29 +98,23 @@ def worker(tmp_path: Path) -> Iterator[Worker]:
         tokenizers=[f"bytes={path}"],
         guarantee="at-least-once",
     )
-    thresholds = gc.get_threshold()
-    worker = Worker(settings, registry)
+    limits = OutputLimits({name: 1_048_588 for name in TopicNames().model_dump().values()})
+    worker = Worker(settings, registry, PrometheusMetrics(["bytes"], registry=None), limits)
     yield worker
-    gc.unfreeze()  # undo the worker's collector tuning for the rest of the test session
-    gc.set_threshold(*thresholds)
+    worker.consumer.close()
 
 
 def test_offsets_refused_by_a_rebalance_are_offered_again_for_kept_partitions(worker) -> None:
-    sent: list[list[TopicPartition]] = []
-
-    def refused(offsets: list[TopicPartition]) -> bool:
-        sent.append(offsets)
-        return False  # what `_commit_at_least_once` returns for ILLEGAL_GENERATION and kin
-
-    worker._commit_at_least_once = refused
+    strategy = RecordingStrategy()
+    worker.strategy = strategy
     worker.assigned = {0, 2}  # partition 1 went to another member in the rebalance
     worker.checkpoint.offsets.update({0: 10, 1: 20, 2: 30})
-    worker._commit()
-    assert [(tp.partition, tp.offset) for tp in sent[0]] == [(0, 10), (1, 20), (2, 30)]
+    worker.commit()
+    assert strategy.offered[0] == [(0, 10), (1, 20), (2, 30)]
     assert worker.checkpoint.offsets == {0: 10, 2: 30}
     assert worker.stats.commits == 0
 
-    worker._commit_at_least_once = lambda offsets: sent.append(offsets) or True
-    worker._commit()
-    assert [(tp.partition, tp.offset) for tp in sent[1]] == [(0, 10), (2, 30)]
+    strategy.refuse = False
+    worker.commit()
+    assert strategy.offered[1] == [(0, 10), (2, 30)]
     assert worker.checkpoint.offsets == {} and worker.stats.commits == 1

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from workers.cli import build_parser
-from workers.worker_command import settings_from_args
+from workers.commands.worker import settings_from_args
 
 
 def parse(*argv: str):
@@ -63,3 +63,13 @@ def test_invalid_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
             "--deltas-topic",
             "x",
         )
+
+
+def test_start_up_and_shutdown_are_bounded_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DETOK_SHUTDOWN_TIMEOUT_S", raising=False)
+    settings = parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p")
+    assert settings.shutdown_timeout_s < 30, "under a container's usual grace period"
+    assert settings.startup_timeout_s > 0
+    settings = parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p", "--shutdown-timeout", "5")
+    assert settings.shutdown_timeout_s == 5
+    assert settings.connection.bootstrap_servers == "b:1"

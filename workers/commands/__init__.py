@@ -1,0 +1,1 @@
+"""One module per `detok` command, each with all its argparse code."""

@@ -1,0 +1,127 @@
+"""`detok worker`: run one worker process of the consumer group.
+
+The command sets up the process (logging, stop signals, the collector policy), checks the
+cluster can hold what the worker writes, and only then builds the `Worker`: a library object
+that changes no process-wide state and waits on nothing unbounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pydantic import ValidationError
+
+from pipeline.tokenizer_registry import (
+    TokenizerRegistry,
+    TokenizerSpecError,
+    parse_vocab_size_specs,
+)
+from workers.config import WorkerSettings
+from workers.output_limits import TopicLimitError, TopicsUnavailable, read_output_limits
+from workers.process_policy import StopRequest, tune_garbage_collector
+from workers.prometheus import PrometheusMetrics
+from workers.topics import TopicNames
+from workers.worker import Worker
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "worker",
+        help="consume token-id events and produce text (one process of the group)",
+        description="Every option can also be set as a DETOK_* environment variable "
+        "(e.g. DETOK_BOOTSTRAP_SERVERS, DETOK_TOKENIZERS='[\"gpt2=/path\"]', DETOK_TOPICS__INPUT).",
+    )
+    parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    parser.add_argument("--tokenizer", action="append", dest="tokenizers", metavar="MODEL=PATH")
+    parser.add_argument(
+        "--model-vocab-size", action="append", dest="model_vocab_sizes", metavar="MODEL=N"
+    )
+    parser.add_argument("--group")
+    for role in TopicNames.model_fields:
+        parser.add_argument(f"--{role.replace('_', '-')}-topic", dest=f"topic_{role}")
+    parser.add_argument("--guarantee", choices=["exactly-once", "at-least-once"])
+    parser.add_argument("--commit-interval-ms", type=int)
+    parser.add_argument(
+        "--exit-when-idle",
+        type=float,
+        dest="exit_when_idle_s",
+        metavar="S",
+        help="stop once every assigned partition is at its end and idle for S s",
+    )
+    parser.add_argument("--instance-id", help="stable id of this worker across restarts")
+    parser.add_argument("--session-timeout-ms", type=int)
+    parser.add_argument("--max-batch", type=int)
+    parser.add_argument("--request-ttl", type=float, dest="request_ttl_s", metavar="S")
+    parser.add_argument("--unknown-generated-ids", choices=["error", "skip"])
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        dest="startup_timeout_s",
+        metavar="S",
+        help="give up (exit 1) if the broker has not described the topics within S s",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        dest="shutdown_timeout_s",
+        metavar="S",
+        help="once stopping, exit within S s even if the broker is unreachable (default 20)",
+    )
+    parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--metrics-host", help="interface /metrics listens on (default: all)")
+    parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    """Flags that were given override DETOK_* variables; the rest come from the environment."""
+    given = {
+        key: value
+        for key, value in vars(args).items()
+        if value is not None and key in WorkerSettings.model_fields
+    }
+    topics = {role: getattr(args, f"topic_{role}") for role in TopicNames.model_fields}
+    if any(topics.values()):
+        defaults = TopicNames().model_dump()
+        given["topics"] = TopicNames(**{k: v or defaults[k] for k, v in topics.items()})
+    return WorkerSettings(**given)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        settings = settings_from_args(args)
+        registry = TokenizerRegistry.from_specs(
+            settings.tokenizers, parse_vocab_size_specs(settings.model_vocab_sizes)
+        )
+    except (ValidationError, TokenizerSpecError) as error:
+        print(f"detok worker: {error}", file=sys.stderr)
+        return 2
+    stop = StopRequest()
+    stop.install()
+    try:
+        limits = read_output_limits(
+            settings.connection,
+            settings.topics,
+            settings.startup_timeout_s,
+            lambda: stop.requested,
+        )
+        limits.check_dead_letters_hold_input(settings.topics)
+    except (TopicsUnavailable, TopicLimitError) as error:
+        if stop.requested:
+            return 0
+        print(f"detok worker: {error}", file=sys.stderr)
+        return 1
+    metrics = PrometheusMetrics(registry.names, registry=None)
+    if settings.metrics_port is not None:
+        metrics.serve(settings.metrics_port, settings.metrics_host)
+    worker = Worker(settings, registry, metrics, limits, stop)
+    tune_garbage_collector()  # after the worker built its decode tables: see its docstring
+    return worker.run()

@@ -1,0 +1,139 @@
+"""How large a record each topic the worker writes accepts, read from the topics at start.
+
+A record the broker refuses as too large used to be a fatal producer error, and the same input
+made every restart fail the same way: a crash loop. The worker reads each topic's effective
+`max.message.bytes` once at start (contract 6: `detok topics ensure` sets generous ones), sizes
+its producer to match, tells the processor how large a text and its held events may grow, and
+checks every record against its topic before producing it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import ConfigResource, ResourceType
+
+from workers.kafka_clients import KafkaConnection, make_admin
+from workers.topics import TopicNames
+
+# What a record costs beyond its key, value and header bytes: the record batch header (61 bytes),
+# the record's own framing (varints, attributes, deltas: up to ~20), and a few bytes per header.
+# 512 covers a record with a hundred headers; an estimate that errs high only makes a record
+# that would have just fitted take the too-large path.
+RECORD_OVERHEAD_BYTES = 512
+# The error headers a dead letter adds to an input record: the exception message is cut to
+# 4 KiB (workers/dead_letters.py), the other dozen headers are names and numbers. A dead-letter
+# topic must accept any record the input accepts plus this, or a large bad record could not be
+# set aside with its original bytes.
+DEAD_LETTER_HEADER_ROOM = 8192
+# A snapshot holds the text once, plus the decode window, counters and held events: half of the
+# changelog's limit for the text leaves the other half for the rest and for JSON escapes
+# (quotes and backslashes double).
+TEXT_SHARE_OF_LIMIT = 2
+# Held events are stored in the snapshot base64-encoded with their origin (value, headers):
+# ~2.3x their size. A quarter of the changelog's limit for all of them keeps that inside it.
+HELD_SHARE_OF_LIMIT = 4
+# librdkafka refuses a producer `message.max.bytes` above this.
+LIBRDKAFKA_MAX_MESSAGE_BYTES = 1_000_000_000
+# Bounds each wait for the broker's answer, so a stop request is noticed between waits.
+POLL_S = 0.5
+
+
+class TopicLimitError(Exception):
+    """The topics cannot hold what the worker must be able to write; says which and why."""
+
+
+class TopicsUnavailable(Exception):
+    """A topic is missing, or the broker did not answer within the start-up bound."""
+
+
+@dataclass(frozen=True)
+class OutputLimits:
+    """`max.message.bytes` of every topic the worker reads or writes (topic -> bytes)."""
+
+    limits: dict[str, int]
+
+    def record_bytes(
+        self,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Iterable[tuple[str, bytes | None]] | None,
+    ) -> int:
+        size = len(key or b"") + len(value or b"") + RECORD_OVERHEAD_BYTES
+        for name, header in headers or ():
+            size += len(name.encode("utf-8", "surrogateescape")) + len(header or b"")
+        return size
+
+    def fits(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Iterable[tuple[str, bytes | None]] | None = None,
+    ) -> bool:
+        return self.record_bytes(key, value, headers) <= self.limits[topic]
+
+    def producer_message_max_bytes(self) -> int:
+        """The producer's own limit: the largest topic's, so it never refuses what a topic takes
+        (each record is checked against its own topic first)."""
+        return min(max(self.limits.values()) + RECORD_OVERHEAD_BYTES, LIBRDKAFKA_MAX_MESSAGE_BYTES)
+
+    def max_text_bytes(self, names: TopicNames) -> int:
+        """How long a request's text may grow: it travels whole in a completion and a snapshot."""
+        smallest = min(self.limits[names.completions], self.limits[names.changelog])
+        return (smallest - RECORD_OVERHEAD_BYTES) // TEXT_SHARE_OF_LIMIT
+
+    def max_held_bytes(self, names: TopicNames) -> int:
+        return self.limits[names.changelog] // HELD_SHARE_OF_LIMIT
+
+    def check_dead_letters_hold_input(self, names: TopicNames) -> None:
+        """Refuse to start when a bad input record could not be dead-lettered whole."""
+        needed = self.limits[names.input] + DEAD_LETTER_HEADER_ROOM
+        if self.limits[names.dead_letters] < needed:
+            raise TopicLimitError(
+                f"dead-letter topic {names.dead_letters} accepts records up to "
+                f"{self.limits[names.dead_letters]} bytes (max.message.bytes), but a bad record "
+                f"of input topic {names.input} may need {needed} "
+                f"({self.limits[names.input]} + {DEAD_LETTER_HEADER_ROOM} for error headers); "
+                f"raise its max.message.bytes (e.g. `detok topics ensure`) to at least {needed}"
+            )
+
+
+def read_output_limits(
+    connection: KafkaConnection,
+    names: TopicNames,
+    timeout_s: float,
+    should_stop: Callable[[], bool],
+) -> OutputLimits:
+    """Each pipeline topic's effective `max.message.bytes`.
+
+    Raises TopicsUnavailable when a topic does not exist or the broker does not answer within
+    `timeout_s` (or a stop is requested first): every later wait of the worker assumes both.
+    """
+    topics = list(dict.fromkeys(names.model_dump().values()))
+    admin = make_admin(connection)
+    deadline = time.monotonic() + timeout_s
+    futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in topics])
+    limits: dict[str, int] = {}
+    for resource, future in futures.items():
+        while not future.done():
+            if should_stop():
+                raise TopicsUnavailable("stopped while reading the topic configurations")
+            if time.monotonic() > deadline:
+                raise TopicsUnavailable(
+                    f"Kafka at {connection.bootstrap_servers} did not answer within "
+                    f"{timeout_s:.0f} s (is the broker up and reachable?)"
+                )
+            time.sleep(POLL_S / 10)
+        try:
+            configs = future.result()
+        except KafkaException as exception:
+            raise TopicsUnavailable(
+                f"topic {resource.name} is not usable: {exception.args[0].str()} (does it "
+                "exist? create the pipeline's topics with `detok topics ensure`)"
+            ) from None
+        limits[resource.name] = int(configs["max.message.bytes"].value)
+    return OutputLimits(limits)
