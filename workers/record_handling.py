@@ -119,7 +119,7 @@ def handle_batch(
     `new_owners` once it has taken the batch.
     """
     handled = HandledBatch(BatchResult())
-    claimed: dict[str, int] = {}  # this batch's first partition per request without an owner
+    claimed: dict[str, int] = {}  # first partition of a prompt per request without an owner
 
     def owner_of(request_id: str) -> int | None:
         owner = owners.get(request_id)
@@ -139,7 +139,10 @@ def handle_batch(
         if isinstance(parsed, DeadLetter):
             handled.dead_letters.append(parsed)
             continue
-        claimed.setdefault(parsed[0].request_id, partition)
+        if parsed[0].type == "prompt":
+            # Only a prompt can give a request state, so only a prompt claims it for its
+            # partition: an orphan event consumed first must not turn the prompt away.
+            claimed.setdefault(parsed[0].request_id, partition)
         batch.append(parsed)
     handled.events = len(batch)
     if batch:

@@ -58,7 +58,7 @@ from workers.output_limits import OutputLimits
 from workers.process_policy import StopRequest
 from workers.processor_contract import ContractProcessor
 from workers.prometheus import PrometheusMetrics
-from workers.record_handling import handle_batch
+from workers.record_handling import handle_batch, unexpected
 from workers.run_stats import RunStats, current_rss_bytes
 
 log = logging.getLogger("detok.worker")
@@ -454,18 +454,23 @@ class Worker:
             None,
             output.origin,
         )
+        log.warning("%s (request %s)", message, request_id)
+        self._produce_now(letter, keep_original=False)
+
+    def _produce_now(self, letter: DeadLetter, *, keep_original: bool) -> None:
+        """Produce a dead letter at once, valueless (it stands in for a record that could not
+        be written), during a commit: the checkpoint's outputs are already being produced."""
         key = dead_letter_key(letter)
         if key is not None and len(key) > MAX_TOO_LARGE_KEY_BYTES:
             key = None
         headers = dead_letter_headers(
-            letter, self.settings.group, self.settings.instance_id, keep_original=False
+            letter, self.settings.group, self.settings.instance_id, keep_original=keep_original
         )
         self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
-        log.warning("%s (request %s)", message, request_id)
         if self.limits.fits(self.topics.dead_letters, key, None, headers):
             produce(self.producer, self.topics.dead_letters, None, key=key, headers=headers)
         else:
-            log.error("the output_too_large dead letter itself does not fit; counted only")
+            log.error("a %s dead letter itself does not fit; counted only", letter.reason.value)
 
     # -- commit -------------------------------------------------------------------------------
 
@@ -533,7 +538,7 @@ class Worker:
             partition = self.owners.get(request_id)
             if partition is None:
                 continue
-            snapshot = self.processor.snapshot(request_id)
+            snapshot = self._snapshot(request_id)
             self._produce(
                 changelog_record(
                     self.topics.changelog,
@@ -545,6 +550,18 @@ class Worker:
             )
             if snapshot is None:
                 del self.owners[request_id]
+
+    def _snapshot(self, request_id: str) -> bytes | None:
+        """The request's changelog value; a request whose state cannot be encoded fails (with
+        an `unexpected_error` dead letter naming it) instead of the commit."""
+        try:
+            return self.processor.snapshot(request_id)
+        except Exception as error:
+            log.warning("snapshot of request %s failed: %r", request_id, error)
+            self.processor.mark_failed(request_id, DeadLetterReason.UNEXPECTED_ERROR)
+            letter = unexpected(error, None, request_id, None)
+            self._produce_now(letter, keep_original=True)
+            return self.processor.snapshot(request_id)
 
     def _rollback(self) -> None:
         """After an abort: forget uncommitted state, restore it, re-consume from the commit."""

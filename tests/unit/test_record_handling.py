@@ -190,3 +190,15 @@ def test_error_headers_on_the_input_are_not_taken_as_this_failures() -> None:
     forged.header_list = [("__detok.errors.attempt", b"not a number")]
     headers = dict(dead_letter_headers(letter, "g", "i"))
     assert headers[ATTEMPT_HEADER] == b"0"
+
+
+def test_an_orphan_event_on_another_partition_does_not_turn_the_prompt_away(processor) -> None:
+    handled = handle_batch(
+        [tokens("a", 1, partition=1), prompt("a", partition=0), finish("a", 1, partition=0)],
+        processor,
+        {},
+        NOW,
+    )
+    assert reasons(handled.dead_letters + handled.result.dead_letters) == ["missing_prompt"]
+    assert handled.new_owners == {"a": 0}
+    assert [c.status for c in handled.result.completions] == ["ok"]
