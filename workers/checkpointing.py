@@ -69,6 +69,12 @@ class Deadline:
         if self.at is None:
             self.at = time.monotonic() + seconds
 
+    def describe(self, budget_s: float) -> str:
+        """How a bounded wait ended, for the message that reports it."""
+        if self.at is not None and self.at <= time.monotonic():
+            return "before the shutdown deadline"
+        return f"within {budget_s:.0f} s"
+
     def remaining(self, bound: float) -> float:
         """`bound`, or less if the deadline comes sooner (never below zero)."""
         if self.at is None:
@@ -275,10 +281,9 @@ class ExactlyOnce:
         while True:
             timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, budget_end - time.monotonic()))
             if timeout <= 0:
-                ended = "the shutdown deadline" if self.deadline.at is not None else "its budget"
                 raise FatalWorkerError(
-                    f"{what} did not finish within {ended} "
-                    f"({self.commit_timeout_s:.0f} s at most); last error: {last}"
+                    f"{what} did not finish {self.deadline.describe(self.commit_timeout_s)}; "
+                    f"last error: {last}"
                 )
             try:
                 call(timeout)
@@ -333,11 +338,18 @@ class AtLeastOnce:
     ) -> CommitOutcome | None:
         assert self.producer is not None
         started = time.perf_counter()
-        remaining = self.producer.flush(self.deadline.remaining(self.commit_timeout_s))
+        budget_end = time.monotonic() + self.commit_timeout_s
+        remaining = self.producer.flush(0)
+        while remaining and self._delivery_error is None:
+            timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, budget_end - time.monotonic()))
+            if timeout <= 0:
+                break
+            remaining = self.producer.flush(timeout)
         if remaining or self._delivery_error is not None:
             raise FatalWorkerError(
-                f"outputs not delivered ({remaining} pending, error {self._delivery_error}); "
-                "offsets left uncommitted so a restart reprocesses them"
+                f"outputs not delivered {self.deadline.describe(self.commit_timeout_s)} "
+                f"({remaining} pending, error {self._delivery_error}); offsets left "
+                "uncommitted so a restart reprocesses them"
             )
         refused: dict[int, int] = {}
         if offsets:
