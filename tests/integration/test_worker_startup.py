@@ -10,6 +10,8 @@ from confluent_kafka.admin import AdminClient
 
 from tests.integration.conftest import WAIT_BOUND_S, free_port_pair, unique_name
 from tests.integration.worker_harness import pipeline_topics, start_worker, wait_exit
+from workers.changelog import RestoreInterrupted, read_latest
+from workers.kafka_clients import KafkaConnection
 from workers.topics import TopicNames, ensure_topics
 
 pytestmark = pytest.mark.integration
@@ -76,3 +78,22 @@ def test_a_dead_letter_topic_smaller_than_the_input_allows_is_refused(
     log = worker_log(tmp_path)
     assert f"dead-letter topic {names.dead_letters} accepts records up to" in log
     assert "max.message.bytes" in log and "Traceback" not in log
+
+
+def test_a_stop_request_ends_a_restore(kafka_bootstrap: str) -> None:
+    """Issue 16 item 5: the restore loop waited for an end of partition and ignored SIGTERM."""
+    names = pipeline_topics(kafka_bootstrap, partitions=1)
+    asked: list[bool] = []
+
+    def stop_requested() -> bool:
+        asked.append(True)
+        return len(asked) > 1  # the stop arrives while the restore is under way
+
+    with pytest.raises(RestoreInterrupted):
+        read_latest(
+            KafkaConnection(kafka_bootstrap),
+            unique_name("g"),
+            names.changelog,
+            [0, 7],  # partition 7 does not exist: its end never comes
+            stop_requested,
+        )

@@ -1,4 +1,4 @@
-"""The commit bookkeeping, without a broker.
+"""The worker's bookkeeping without a broker: commits, and the TTL clock.
 
 What a broker answers is covered by tests/integration; here what happens when the group refuses
 an offset commit (a rebalance), which no broker produces on demand: the at-least-once strategy
@@ -118,3 +118,14 @@ def test_offsets_refused_by_a_rebalance_are_offered_again_for_kept_partitions(wo
     worker.commit()
     assert strategy.offered[1] == [(0, 10), (2, 30)]
     assert worker.checkpoint.offsets == {} and worker.stats.commits == 1
+
+
+def test_ttl_clock_is_record_time_until_a_partition_is_caught_up(worker) -> None:
+    """Issue 16 item 9: idleness is measured against the partition's own progress."""
+    worker.owners.update({"caught-up": 0, "behind": 1, "not-read-yet": 2})
+    worker.at_end.add(0)
+    worker.newest_timestamp[1] = 1000.0
+    reference = worker.ttl_reference(now=5000.0)
+    assert reference("caught-up") == 5000.0  # nothing waits for it: wall clock
+    assert reference("behind") == 1000.0  # its events may be in the backlog: record time
+    assert reference("not-read-yet") == float("-inf")  # no clock until a record is read
