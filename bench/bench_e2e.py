@@ -167,7 +167,8 @@ def registry_of(workload: Workload) -> TokenizerRegistry:
 class Core:
     """The processor alone on the workload, in this process: the ceiling the worker is measured
     against. Measured again right before each one-worker exactly-once run, so each ratio pairs
-    two figures taken on the same machine state (this 2-core machine is shared and noisy)."""
+    two figures taken under the same load: on a shared host the load moves between runs, and
+    pairing keeps that movement out of the ratio."""
 
     def __init__(self, workload: Workload) -> None:
         lines = workload.path.read_bytes().splitlines()
@@ -230,10 +231,10 @@ def load_apart_from_worker() -> Iterator[set[int] | None]:
     """Move this process (the paced producer, the delta reader) and the local broker onto the
     last CPU, and yield the others for the worker under test.
 
-    On 2 shared cores the generator and the broker otherwise take turns on the worker's core:
+    With two cores the generator and the broker otherwise take turns on the worker's core:
     the worker's own processing ran 1.2-2x slower than when draining, so "half the maximum"
     measured while draining was 85-100% of what it could do live, and one hiccup made seconds
-    of backlog. The broker still runs on this machine, as the target says; the worker just has
+    of backlog. The broker still runs on the same host, as the target says; the worker just has
     a core of its own, as it would in a deployment.
     """
     cpus = sorted(os.sched_getaffinity(0))

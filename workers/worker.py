@@ -187,6 +187,7 @@ class Worker:
                 self._step()
             self.commit()
         except (FatalWorkerError, KafkaException) as error:
+            self._stopping()  # leaving after a failure is bounded like leaving on SIGTERM
             log.error("stopping without commit: %s%s", _message(error), self._missing_topics())
             self._close(abort=True)
             return 1
@@ -520,7 +521,9 @@ class Worker:
             self.stats.last_commit_at = outcome.finished_at
         else:
             self.stats.aborted_commits += 1
-            self.stats.redone_tokens += outcome.decoded_tokens
+            moved = any(p not in self.assigned for p in outcome.refused_offsets)
+            if outcome.rollback or moved:  # decoded again, here or by the partition's new owner
+                self.stats.redone_tokens += outcome.decoded_tokens
         self.stats.slowest_commit_s = max(self.stats.slowest_commit_s, outcome.seconds)
         self.metrics.observe_commit(outcome.seconds, outcome.committed)
         self.metrics.active_requests.set(self.processor.active_requests)
