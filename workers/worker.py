@@ -23,7 +23,6 @@ stopping, the worker is gone within `shutdown_timeout_s`.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -52,9 +51,9 @@ from workers.checkpointing import (
     strategy_for,
 )
 from workers.config import WorkerSettings
-from workers.dead_letters import dead_letter_headers, dead_letter_key
-from workers.kafka_clients import make_consumer, make_producer, produce
+from workers.kafka_clients import make_consumer, make_producer
 from workers.output_limits import OutputLimits
+from workers.output_writer import OutputWriter
 from workers.process_policy import StopRequest
 from workers.processor_contract import ContractProcessor
 from workers.prometheus import PrometheusMetrics
@@ -79,10 +78,6 @@ EXPIRE_INTERVAL_S = 1.0
 # transaction of ~600k records and tripled the worker's memory. 5,000 per sweep keeps a commit
 # to ~15k extra records and still drains 200k in under a minute.
 EXPIRE_LIMIT = 5000
-# A key longer than this is left off an `output_too_large` dead letter (the request id and the
-# input coordinates in its headers still name the record).
-MAX_TOO_LARGE_KEY_BYTES = 1024
-SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE})
 
 
 class Worker:
@@ -127,6 +122,15 @@ class Worker:
         self.stats = RunStats()
         self.consumer: Consumer = make_consumer(self.connection, self._consumer_settings())
         self.producer = make_producer(self.connection, self._producer_settings())
+        self.writer = OutputWriter(
+            self.producer,
+            limits,
+            self.topics,
+            self.processor,
+            metrics,
+            group=settings.group,
+            instance_id=settings.instance_id,
+        )
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -366,112 +370,7 @@ class Worker:
         self.metrics.observe_outputs(result)
 
     def _dead_letter(self, letter: DeadLetter) -> None:
-        headers = dead_letter_headers(letter, self.settings.group, self.settings.instance_id)
-        timestamp = letter.origin.timestamp_ms if letter.origin else None
-        self.checkpoint.outputs.append(
-            Output(
-                self.topics.dead_letters,
-                dead_letter_key(letter),
-                letter.value,
-                headers,
-                timestamp or 0,
-                request_id=letter.request_id,
-                origin=letter.origin,
-            )
-        )
-        self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
-
-    # -- producing ----------------------------------------------------------------------------
-
-    def _produce(self, output: Output) -> None:
-        """Produce one record, or, if its topic cannot take it, what stands in for it.
-
-        A record too large for its topic is never a fatal error: it fails only what it belongs
-        to (`_too_large`), and the stream goes on.
-        """
-        if self.limits.fits(output.topic, output.key, output.value, output.headers):
-            kwargs: dict[str, Any] = {
-                "key": output.key,
-                "headers": output.headers,
-                "timestamp": output.timestamp,
-            }
-            if output.partition is not None:
-                kwargs["partition"] = output.partition
-            try:
-                produce(self.producer, output.topic, output.value, **kwargs)
-                return
-            except KafkaException as exception:
-                error: KafkaError = exception.args[0]
-                if error.code() not in SIZE_ERRORS:
-                    raise FatalWorkerError(
-                        f"producing to {output.topic}: {describe_error(error)}"
-                    ) from None
-        self._too_large(output)
-
-    def _too_large(self, output: Output) -> None:
-        """Stand in for a record its topic refuses: fail its request, keep every reference.
-
-        - a dead letter: written without its value (the input keeps the original bytes),
-          its headers naming the input topic, partition and offset;
-        - a snapshot: the request is marked failed and its (small) failed snapshot written;
-        - a completion: replaced by a failed completion without text;
-        - a delta or a filtered-ids record: left out (the completion carries the text).
-        Each also leaves an `output_too_large` dead letter naming the request.
-        """
-        size = self.limits.record_bytes(output.key, output.value, output.headers)
-        limit = self.limits.limits[output.topic]
-        message = f"a {size}-byte record for {output.topic} exceeds its max.message.bytes ({limit})"
-        request_id = output.request_id
-        if output.topic == self.topics.dead_letters:
-            message += "; the input record keeps the original bytes"
-        elif output.topic == self.topics.changelog and request_id is not None:
-            self.processor.mark_failed(request_id, DeadLetterReason.OUTPUT_TOO_LARGE)
-            self._produce(
-                Output(
-                    output.topic,
-                    output.key,
-                    self.processor.snapshot(request_id),
-                    output.headers,
-                    partition=output.partition,
-                    request_id=request_id,
-                )
-            )
-        elif output.topic == self.topics.completions and output.value is not None:
-            replacement = json.loads(output.value)
-            replacement.update(status="failed", text="", error=f"output_too_large: {message}")
-            self._produce(
-                Output(
-                    output.topic,
-                    output.key,
-                    json.dumps(replacement).encode(),
-                    request_id=request_id,
-                )
-            )
-        letter = DeadLetter(
-            DeadLetterReason.OUTPUT_TOO_LARGE,
-            "RecordTooLarge",
-            message,
-            request_id,
-            None,
-            output.origin,
-        )
-        log.warning("%s (request %s)", message, request_id)
-        self._produce_now(letter, keep_original=False)
-
-    def _produce_now(self, letter: DeadLetter, *, keep_original: bool) -> None:
-        """Produce a dead letter at once, valueless (it stands in for a record that could not
-        be written), during a commit: the checkpoint's outputs are already being produced."""
-        key = dead_letter_key(letter)
-        if key is not None and len(key) > MAX_TOO_LARGE_KEY_BYTES:
-            key = None
-        headers = dead_letter_headers(
-            letter, self.settings.group, self.settings.instance_id, keep_original=keep_original
-        )
-        self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
-        if self.limits.fits(self.topics.dead_letters, key, None, headers):
-            produce(self.producer, self.topics.dead_letters, None, key=key, headers=headers)
-        else:
-            log.error("a %s dead letter itself does not fit; counted only", letter.reason.value)
+        self.checkpoint.outputs.append(self.writer.dead_letter(letter))
 
     # -- commit -------------------------------------------------------------------------------
 
@@ -489,9 +388,9 @@ class Worker:
             checkpoint.started_at = time.monotonic()
             return
         for output in checkpoint.outputs:
-            self._produce(output)
+            self.writer.write(output)
         for request_id, delta in checkpoint.deltas.items():
-            self._produce(
+            self.writer.write(
                 Output(
                     self.topics.deltas,
                     request_id.encode(),
@@ -542,7 +441,7 @@ class Worker:
             if partition is None:
                 continue
             snapshot = self._snapshot(request_id)
-            self._produce(
+            self.writer.write(
                 changelog_record(
                     self.topics.changelog,
                     request_id,
@@ -563,7 +462,7 @@ class Worker:
             log.warning("snapshot of request %s failed: %r", request_id, error)
             self.processor.mark_failed(request_id, DeadLetterReason.UNEXPECTED_ERROR)
             letter = unexpected(error, None, request_id, None)
-            self._produce_now(letter, keep_original=True)
+            self.writer.write_stand_in(letter, keep_original=True)
             return self.processor.snapshot(request_id)
 
     def _rollback(self) -> None:
