@@ -45,9 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import TopicPartition
 from confluent_kafka.admin import (
-    AdminClient,
     AlterConfigOpType,
     ConfigEntry,
     ConfigResource,
@@ -63,6 +62,7 @@ from schemas.events import LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import parse_event
 from workers.broker import answers_metadata, broker_status, start_broker
+from workers.kafka_clients import KafkaConnection, make_admin, make_consumer, make_producer
 from workers.process_policy import tune_garbage_collector
 from workers.replay import replay, replay_events
 from workers.topics import TopicNames, delete_topics, ensure_topics
@@ -278,7 +278,7 @@ def wait_for(predicate: Any, what: str, bound_s: float = WAIT_BOUND_S) -> None:
 
 
 def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-offsets"})
+    consumer = make_consumer(KafkaConnection(bootstrap), {"group.id": "bench-offsets"})
     try:
         parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
         return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), 30)[1] for p in parts}
@@ -287,7 +287,7 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str, parts: list[int]) -> dict[int, int]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    consumer = make_consumer(KafkaConnection(bootstrap), {"group.id": group})
     try:
         committed = consumer.committed([TopicPartition(topic, p) for p in parts], 30)
         return {tp.partition: tp.offset for tp in committed}
@@ -298,7 +298,7 @@ def committed_offsets(bootstrap: str, group: str, topic: str, parts: list[int]) 
 def allow_whole_dead_letters(bootstrap: str, names: TopicNames) -> None:
     """Let the dead-letter topic take any input record plus its error headers, as the worker
     requires (workers/output_limits.py); until `detok topics ensure` sets it (contract 6)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = make_admin(KafkaConnection(bootstrap))
     resource = ConfigResource(
         ResourceType.TOPIC,
         names.dead_letters,
@@ -498,14 +498,14 @@ def _read_deltas(
     """(receive time, produce time) of each delta, keyed by (request, seq_end); read_committed,
     low fetch wait, so the reader's own polling adds a few milliseconds at most. The produce time
     (the worker's, at its commit) separates the worker's delay from the reader's."""
-    consumer = Consumer(
+    consumer = make_consumer(
+        KafkaConnection(bootstrap),
         {
-            "bootstrap.servers": bootstrap,
             "group.id": f"bench-deltas-{uuid.uuid4().hex}",
             "isolation.level": "read_committed",
             "auto.offset.reset": "earliest",
             "fetch.wait.max.ms": 10,
-        }
+        },
     )
     consumer.subscribe([topic])
     try:
@@ -528,9 +528,7 @@ def _paced_produce(
     return each one's produce time. The generator shares the 2 cores with the broker and the
     worker under test, so it does as little per event as it can: one produce and one clock
     read, times kept in a list and keyed only afterwards."""
-    producer = Producer(
-        {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
-    )
+    producer = make_producer(KafkaConnection(bootstrap), {"linger.ms": 5})
     produced_at = [0.0] * len(events)
     started = time.time()
     index = 0
@@ -579,9 +577,7 @@ def memory_and_restore(
     try:
         wait_for(lambda: "restored" in log.read_text(), "the memory worker's assignment")
         for half_index, half in enumerate(halves):
-            producer = Producer(
-                {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 20}
-            )
+            producer = make_producer(KafkaConnection(bootstrap), {"linger.ms": 20})
             for position, record in enumerate(half):
                 generation = LoggedGeneration.model_validate(
                     {**record, "request_id": f"{record['request_id']}-m{half_index}-{position}"}
