@@ -19,6 +19,7 @@ interface, so tests feed it generated records.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,6 +29,8 @@ from schemas.events import DeadLetterReason
 from schemas.fast_events import Event
 from schemas.validation import Rejection, parse_event
 from workers.kafka_origin import KafkaOrigin
+
+log = logging.getLogger("detok.worker")
 
 # Exception messages go into a header cut to 4 KiB anyway; a message built from a huge input
 # (a repr of a million-element list) is cut here first so building it costs nothing.
@@ -166,8 +169,8 @@ def process_guarded(
         return processor.process(batch, now)
     except MemoryError:
         raise
-    except Exception:
-        pass
+    except Exception as error:
+        log.warning("a batch raised %r; processing its %d events one by one", error, len(batch))
     # The processor decodes a batch in one round; a failure inside it does not say which event
     # caused it. Processing the events one by one does (and costs only on this rare path).
     merged = BatchResult()
