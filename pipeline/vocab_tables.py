@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from tokenizers import Tokenizer
 
@@ -112,6 +112,9 @@ class TokenizerProfile:
     # flag; Llama-2 chain only. The chain's output is the strict decode of the pieces'
     # concatenation whenever that is valid UTF-8.
     spm_table: dict[bool, list[bytes | None]]
+    # The decode strategy of each skip flag, built on first use by `pipeline.decode_stream` (a
+    # strategy holds only per-tokenizer tables, so every stream of the tokenizer shares it).
+    strategies: dict[bool, Any] = field(default_factory=dict)
 
 
 _PROFILES: dict[int, TokenizerProfile] = {}

@@ -113,7 +113,7 @@ def test_snapshot_restore_continues_identically(name: str, ffi: bool) -> None:
             texts_plain.append(plain.push(chunk))
             texts_restored.append(restored.push(chunk))
             # Bounded: the window never holds more than the prompt plus this stream's generation.
-            assert len(restored.ids) <= len(prompt) + sum(map(len, chunks))
+            assert len(restored.state.ids) <= len(prompt) + sum(map(len, chunks))
         if data.draw(st.booleans()):
             restored = DecodeStream.from_snapshot(tok, json.loads(json.dumps(restored.snapshot())))
         assert texts_restored == texts_plain
