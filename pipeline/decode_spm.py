@@ -135,24 +135,10 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
         super()._compact(state)
         dead = self.dead_id
         ids = state.ids
-        if dead is None or len(ids) <= COMPACT_ABOVE or ids[-1:] == [dead]:
+        if dead is None or len(ids) <= COMPACT_ABOVE:
             return
-        byte_token = self.profile.byte_token
-        table = self.table
-        run = bytearray()
-        k = len(ids) - 1
-        while k >= 0 and byte_token[ids[k]]:
-            run += table[ids[k]]  # type: ignore[operator]  # known ids: bytes
-            k -= 1
-        if not run:
+        if not self._ends_in_dead_run(ids):
             return
-        run.reverse()
-        try:
-            run.decode("utf-8")
-            return  # valid: not a run of U+FFFDs
-        except UnicodeDecodeError as error:
-            if error.reason == "unexpected end of data":
-                return  # a valid start of a character: not final yet
         text = self.decode_one_now(ids)
         head = text[:-1]  # the run's last U+FFFD is kept, spelled by the dead token
         prefix_len = utf8_len(state.prefix)
@@ -164,6 +150,28 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
         state.ids = [dead]
         state.prefix = ""
         state.prefix_index = 0
+
+    def _ends_in_dead_run(self, ids: list[int]) -> bool:
+        """Whether `ids` ends in a byte run whose bytes are invalid whatever follows (the run's
+        text is one U+FFFD per byte token, now and after any continuation)."""
+        if self.dead_id is None:
+            return False
+        byte_token = self.profile.byte_token
+        table = self.table
+        run = bytearray()
+        k = len(ids) - 1
+        # Skipped specials vanish before the decoder runs: the run goes on across them.
+        while k >= 0 and (byte_token[ids[k]] or not table[ids[k]]):
+            run += table[ids[k]]  # type: ignore[operator]  # known ids: bytes
+            k -= 1
+        if not run:
+            return False
+        run.reverse()
+        try:
+            run.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return error.reason != "unexpected end of data"
+        return False
 
     def _settle(self, state: DecodeState) -> None:
         """A long seeded context (the full-prompt fallback): keep it from its last text piece on.
@@ -178,6 +186,14 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
             return
         table = self.table
         byte_token = self.profile.byte_token
+        if state.prefix_index == len(ids) and self._ends_in_dead_run(ids):
+            # The prefix covers a window ending in a dead run: decode(ids + more) =
+            # prefix[:-1] + decode([dead] + more), so one dead token with its U+FFFD as prefix
+            # shifts every comparison by the same length.
+            state.ids = [self.dead_id]  # type: ignore[list-item]  # set when a run can be dead
+            state.prefix = FFFD
+            state.prefix_index = 1
+            return
         for k in range(state.prefix_index - 1, 0, -1):
             piece = table[ids[k]]
             if piece and piece != EMPTY_TOKEN_PIECE and not byte_token[ids[k]]:
