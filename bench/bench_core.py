@@ -159,7 +159,7 @@ def timed(fn: Callable[[], list[str]]) -> tuple[float, list[str]]:
 
 def paired_ratio(reference: list[float], method: list[float]) -> float:
     """Median over repeats of t(reference) / t(method), both timed in the same repeat: a load
-    spike on this shared machine then hits both sides of a ratio instead of skewing it."""
+    spike on a busy host then hits both sides of a ratio instead of skewing it."""
     return statistics.median(r / m for r, m in zip(reference, method, strict=True))
 
 

@@ -1,4 +1,5 @@
-"""One decode round for many streams: the batched form of `DecodeStream.push` (spec §9.7).
+"""One decode round for many streams: the batched form of `DecodeStream.push`
+(docs/decode-semantics.md, 'Batching').
 
 Each stream's push runs as a generator of decode requests (`DecodeStream.push_steps`). A round
 advances every generator to its next request, then answers all pending requests with ONE

@@ -1,5 +1,6 @@
-"""DecodeStream on the real tokenizer files (spec §10): chunk invariance, oracle equality,
-OOV prompt ids, full-decode consistency, and pure decoders equal to `Tokenizer.decode`."""
+"""DecodeStream on the real tokenizer files (docs/decode-semantics.md, 'Tests'): chunk
+invariance, oracle equality, OOV prompt ids, full-decode consistency, pure decoders equal to
+`Tokenizer.decode`, and bounded windows over long invalid byte runs and long prompts."""
 
 from __future__ import annotations
 

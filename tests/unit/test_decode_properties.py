@@ -1,4 +1,5 @@
-"""Hypothesis properties of DecodeStream and decode_round on each small tokenizer family (§10).
+"""Hypothesis properties of DecodeStream and decode_round on each small tokenizer family
+(docs/decode-semantics.md, 'Tests').
 
 The reference is `OracleStream`, an independent per-token port of upstream on `Tokenizer.decode`.
 Each family runs twice: with its pure Python decoder (if it has one) and through `tokenizers`
