@@ -116,8 +116,12 @@ class DecodeStream:
 
     @property
     def filtered_prompt_ids(self) -> list[int]:
-        """Prompt ids the tokenizer cannot map, dropped while seeding (a metric)."""
-        return self.state.filtered_prompt_ids
+        """Prompt ids the tokenizer cannot map, dropped while seeding (a metric).
+
+        Reported once a token was pushed, as when seeding ran at the first push: a request that
+        generates nothing never read its prompt, upstream, so it reports nothing.
+        """
+        return self.state.filtered_prompt_ids if self.state.started else []
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Decode one chunk of generated ids; return the new text ("" if none is ready).

@@ -20,7 +20,14 @@ from tokenizers import Tokenizer
 from pipeline.batch import decode_round
 from pipeline.decode_stream import DecodeStream, InvalidTokenIdError, SnapshotFormatError
 from tests.unit.decode_oracle import OracleStream
-from tests.unit.small_tokenizers import FAMILIES, byte_fallback, byte_level, ffi_twin, spm_byte
+from tests.unit.small_tokenizers import (
+    FAMILIES,
+    UNKNOWN_ID,
+    byte_fallback,
+    byte_level,
+    ffi_twin,
+    spm_byte,
+)
 
 VARIANTS = [(name, ffi) for name in FAMILIES for ffi in (False, True)]
 MALFORMED = [-1, -(2**40), 2**32, 2**64, 1.5, "7", None, b"\x01"]
@@ -276,3 +283,16 @@ def test_version_1_snapshots_still_restore(name: str, ffi: bool) -> None:
     seeded["version"], seeded["prefix_seeded"] = 1, seeded.pop("started")
     del seeded["held"]
     assert DecodeStream.from_snapshot(tok, seeded).push(generated) == expected
+
+
+def test_filtered_prompt_ids_are_reported_once_a_token_was_pushed() -> None:
+    """Seeding runs at construction, but a request that generates nothing reports no filtered
+    prompt ids, as when seeding ran at the first push."""
+    tok = byte_level()
+    prompt = [UNKNOWN_ID, *text_ids(tok, "Hi")]
+    stream = DecodeStream(tok, prompt)
+    assert stream.filtered_prompt_ids == []
+    assert stream.push([]) == ""
+    assert stream.filtered_prompt_ids == []
+    assert stream.push(text_ids(tok, "!")) == "!"
+    assert stream.filtered_prompt_ids == [UNKNOWN_ID]
