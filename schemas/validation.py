@@ -13,10 +13,13 @@ import msgspec
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from schemas.events import INPUT_EVENT_ADAPTER, DeadLetterReason
-from schemas.fast_events import Event, decode_event, event_from_json
+from schemas.fast_events import ParsedEvent, decode_event, event_from_json
 
 _TOKEN_ID_FIELDS = frozenset({"prompt_token_ids", "token_ids", "output_token_ids"})
 _RANGE_ERRORS = frozenset({"greater_than_equal", "less_than_equal"})
+# pydantic lists every failing element (a 100k-id chunk of strings: a multi-megabyte message);
+# the first few kilobytes always name the cause, and the message travels in a header.
+MAX_MESSAGE_CHARS = 4096
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -50,32 +53,53 @@ def classify(error: ValidationError) -> DeadLetterReason:
 
 def _rejection(error: ValidationError) -> Rejection:
     message = str(error)
-    return Rejection(classify(error), "pydantic_core.ValidationError", message[:4096])
+    return Rejection(classify(error), "pydantic_core.ValidationError", message[:MAX_MESSAGE_CHARS])
 
 
-def parse_event(raw: bytes | str) -> Event | Rejection:
-    """Parse one input record; never raises on bad input.
+def parse_event(raw: bytes | str) -> ParsedEvent | Rejection:
+    """Parse one input record; never raises (MemoryError aside).
 
     The msgspec decoder takes every well-formed record; what it refuses goes to the pydantic
     models, the contract, which either name the reason or, for the few inputs the contract
     accepts and msgspec does not (a repeated key, `"seq": 0.0`), hand back the event after all.
+    Anything else either decoder raises (a `RecursionError` from an array nested a thousand
+    levels deep, in an otherwise valid event) is a rejection too: one record must never stop a
+    worker, and a worker that crashes on it would crash again on every restart.
     """
     try:
         return decode_event(raw)
     except msgspec.DecodeError:
         pass
+    except MemoryError:
+        raise
+    except Exception as error:  # the rule: any error of one record rejects that record
+        return _unexpected(error)
     try:
         model = INPUT_EVENT_ADAPTER.validate_json(raw)
+        return event_from_json(model.model_dump(mode="json"))
     except ValidationError as error:
         return _rejection(error)
-    return event_from_json(model.model_dump(mode="json"))
+    except MemoryError:
+        raise
+    except Exception as error:  # as above
+        return _unexpected(error)
 
 
 def parse_model(model: type[M] | TypeAdapter, raw: bytes | str) -> M | Rejection:
-    """Parse raw JSON into any wire model; never raises on bad input."""
+    """Parse raw JSON into any wire model; never raises (MemoryError aside)."""
     try:
         if isinstance(model, TypeAdapter):
             return model.validate_json(raw)
         return model.model_validate_json(raw)
     except ValidationError as error:
         return _rejection(error)
+    except MemoryError:
+        raise
+    except Exception as error:  # as in `parse_event`
+        return _unexpected(error)
+
+
+def _unexpected(error: Exception) -> Rejection:
+    return Rejection(
+        DeadLetterReason.UNEXPECTED_ERROR, type(error).__name__, str(error)[:MAX_MESSAGE_CHARS]
+    )

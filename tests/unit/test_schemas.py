@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric, dump_json
+from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, dump_json
 from schemas.export import SCHEMA_DIR, rendered_schemas
-from schemas.fast_events import FinishEvent, PromptEvent, TokensEvent
+from schemas.fast_events import ParsedFinish, ParsedPrompt, ParsedTokens
 from schemas.validation import Rejection, parse_event
 
 
@@ -18,9 +18,9 @@ def test_events_are_discriminated_by_type() -> None:
     prompt = parse_event(b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[1,2]}')
     tokens = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[3]}')
     finish = parse_event(b'{"type":"finish","request_id":"r","seq":2,"finish_reason":"stop"}')
-    assert isinstance(prompt, PromptEvent) and prompt.seq == 0 and prompt.skip_special_tokens
-    assert isinstance(tokens, TokensEvent) and tokens.token_ids == [3]
-    assert isinstance(finish, FinishEvent) and finish.finish_reason == "stop"
+    assert isinstance(prompt, ParsedPrompt) and prompt.seq == 0 and prompt.skip_special_tokens
+    assert isinstance(tokens, ParsedTokens) and tokens.token_ids == [3]
+    assert isinstance(finish, ParsedFinish) and finish.finish_reason == "stop"
 
 
 @pytest.mark.parametrize(
@@ -57,12 +57,12 @@ def test_bad_records_are_rejected_with_a_reason(raw: bytes, reason: str) -> None
 
 def test_largest_u32_id_is_accepted() -> None:
     parsed = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[4294967295, 0]}')
-    assert isinstance(parsed, TokensEvent)
+    assert isinstance(parsed, ParsedTokens)
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
     parsed = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1],"ts":1.5}')
-    assert isinstance(parsed, TokensEvent)
+    assert isinstance(parsed, ParsedTokens)
 
 
 def test_exported_json_schemas_are_current() -> None:
@@ -93,7 +93,7 @@ def test_dump_json_is_model_dump_json(text: str, error: str | None, ids: list[in
         filtered_prompt_ids=ids,
         error=error,
     )
-    metric = FilteredIdsMetric(
+    metric = FilteredIdsRecord(
         request_id="r", model="m", filtered_ids=ids, filtered_count=len(ids), prompt_tokens=9
     )
     for model in (completion, metric):
