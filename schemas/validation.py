@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
-import msgspec
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from schemas.events import INPUT_EVENT_ADAPTER, DeadLetterReason
@@ -59,21 +58,20 @@ def _rejection(error: ValidationError) -> Rejection:
 def parse_event(raw: bytes | str) -> ParsedEvent | Rejection:
     """Parse one input record; never raises (MemoryError aside).
 
-    The msgspec decoder takes every well-formed record; what it refuses goes to the pydantic
-    models, the contract, which either name the reason or, for the few inputs the contract
-    accepts and msgspec does not (a repeated key, `"seq": 0.0`), hand back the event after all.
-    Anything else either decoder raises (a `RecursionError` from an array nested a thousand
-    levels deep, in an otherwise valid event) is a rejection too: one record must never stop a
-    worker, and a worker that crashes on it would crash again on every restart.
+    The msgspec decoder takes every well-formed record; what it refuses (or fails on: a
+    `RecursionError` from an array nested a thousand levels deep in an otherwise valid event)
+    goes to the pydantic models, the contract, which either name the reason (that one is
+    `malformed_json`, "recursion limit exceeded") or, for the few inputs the contract accepts
+    and msgspec does not (a repeated key, `"seq": 0.0`), hand back the event after all. Any
+    exception pydantic raises besides its verdict is a rejection too (`unexpected_error`): one
+    record must never stop a worker, which would then stop on it again at every restart.
     """
     try:
         return decode_event(raw)
-    except msgspec.DecodeError:
-        pass
     except MemoryError:
         raise
-    except Exception as error:  # the rule: any error of one record rejects that record
-        return _unexpected(error)
+    except Exception:  # a refusal or a failure: either way, the contract judges
+        pass
     try:
         model = INPUT_EVENT_ADAPTER.validate_json(raw)
         return event_from_json(model.model_dump(mode="json"))
@@ -81,7 +79,7 @@ def parse_event(raw: bytes | str) -> ParsedEvent | Rejection:
         return _rejection(error)
     except MemoryError:
         raise
-    except Exception as error:  # as above
+    except Exception as error:  # the rule: any error of one record rejects that record
         return _unexpected(error)
 
 

@@ -1,7 +1,7 @@
 """The request lifecycle: sequence rules, one decode round per batch, endings and snapshots.
 
-Uses the byte-level test tokenizer (id b <-> byte b, ids >= 10,000 unknown) so every expected
-text is plain bytes arithmetic.
+Uses the byte-level test tokenizer (see `tests.unit.request_events`) so every expected text is
+plain bytes arithmetic.
 """
 
 from __future__ import annotations
@@ -12,56 +12,26 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.processor import MAX_HELD_EVENTS, Delta, EventOrigin, RequestProcessor
+from pipeline.processor import MAX_HELD_EVENTS, Delta, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, TextDelta
-from schemas.fast_events import ParsedFinish, ParsedPrompt, ParsedTokens, encode_event
-from tests.unit.small_tokenizers import UNKNOWN_ID, byte_level
+from schemas.fast_events import ParsedPrompt
+from tests.unit.request_events import (
+    bytes_registry,
+    finish,
+    ids,
+    prompt,
+    reasons,
+    run,
+    run_records,
+    tokens,
+)
+from tests.unit.small_tokenizers import UNKNOWN_ID
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> TokenizerRegistry:
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    byte_level().save(str(path))
-    registry = TokenizerRegistry()
-    registry.register("bytes", path, model_vocab_size=20_000)
-    return registry
-
-
-def ids(text: str) -> list[int]:
-    return list(text.encode())
-
-
-def prompt(request_id: str = "r", text: str = "Hello there", model: str = "bytes") -> ParsedPrompt:
-    return ParsedPrompt(request_id=request_id, model=model, prompt_token_ids=ids(text))
-
-
-def tokens(seq: int, text: str | list[int], request_id: str = "r") -> ParsedTokens:
-    token_ids = ids(text) if isinstance(text, str) else text
-    return ParsedTokens(request_id=request_id, seq=seq, token_ids=token_ids)
-
-
-def finish(seq: int, request_id: str = "r") -> ParsedFinish:
-    return ParsedFinish(request_id=request_id, seq=seq, finish_reason="stop")
-
-
-def origin(offset: int = 0, event=None) -> EventOrigin:
-    """The origin of an event: its record's bytes (a held event's snapshot keeps only those)."""
-    value = f"raw-{offset}".encode() if event is None else encode_event(event)
-    return EventOrigin(source="t", partition=0, offset=offset, value=value)
-
-
-def run(processor: RequestProcessor, *events, now: float = 0.0):
-    return processor.process([(e, origin(i)) for i, e in enumerate(events)], now)
-
-
-def run_records(processor: RequestProcessor, *events, now: float = 0.0):
-    """`run` with origins that carry each event's record, as a consumer's would."""
-    return processor.process([(e, origin(i, e)) for i, e in enumerate(events)], now)
-
-
-def reasons(result) -> list[str]:
-    return [letter.reason.value for letter in result.dead_letters]
+    return bytes_registry(tmp_path_factory.mktemp("tok"))
 
 
 def test_a_request_yields_contiguous_deltas_and_one_completion(registry) -> None:

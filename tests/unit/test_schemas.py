@@ -8,10 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, dump_json
+from schemas import validation
+from schemas.events import (
+    Completion,
+    DeadLetterReason,
+    FilteredIdsRecord,
+    LoggedGeneration,
+    dump_json,
+)
 from schemas.export import SCHEMA_DIR, rendered_schemas
 from schemas.fast_events import ParsedFinish, ParsedPrompt, ParsedTokens
-from schemas.validation import Rejection, parse_event
+from schemas.validation import Rejection, parse_event, parse_model
 
 
 def test_events_are_discriminated_by_type() -> None:
@@ -98,3 +105,29 @@ def test_dump_json_is_model_dump_json(text: str, error: str | None, ids: list[in
     )
     for model in (completion, metric):
         assert dump_json(model) == model.model_dump_json().encode()
+
+
+def test_a_deeply_nested_field_is_rejected_not_raised() -> None:
+    # Issue 16 item 1: 2,000 nested arrays in an otherwise valid event made the decoder raise
+    # RecursionError out of `parse_event`, and the worker exit on every restart.
+    nested = b"[" * 2000 + b"]" * 2000
+    event = b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1],"x":' + nested + b"}"
+    generation = (
+        b'{"request_id":"r","model":"m","prompt_token_ids":[1],"output_token_ids":[2],"x":'
+        + nested
+        + b"}"
+    )
+    for parsed in (parse_event(event), parse_model(LoggedGeneration, generation)):
+        assert isinstance(parsed, Rejection)
+        assert parsed.reason is DeadLetterReason.MALFORMED_JSON
+        assert "recursion limit" in parsed.message
+
+
+def test_any_exception_while_parsing_is_a_rejection(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(raw: bytes) -> None:
+        raise RuntimeError("decoder bug")
+
+    monkeypatch.setattr(validation, "decode_event", broken)
+    monkeypatch.setattr(validation.INPUT_EVENT_ADAPTER, "validate_json", broken)
+    parsed = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1]}')
+    assert parsed == Rejection(DeadLetterReason.UNEXPECTED_ERROR, "RuntimeError", "decoder bug")
