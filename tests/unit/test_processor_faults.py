@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.decode_stream import DecodeStream
 from pipeline.processor import RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.fast_events import ParsedPrompt
+from schemas.fast_events import ParsedEvent, ParsedPrompt
 from tests.unit.request_events import (
     bytes_registry,
     finish,
@@ -25,6 +27,7 @@ from tests.unit.request_events import (
     run_records,
     tokens,
 )
+from tests.unit.small_tokenizers import UNKNOWN_ID
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +249,60 @@ def test_text_offsets_count_the_characters_before_each_delta(registry) -> None:
         for delta in run(processor, *batch).deltas
     ]
     assert [(d.text_offset, d.text) for d in deltas] == [(0, "a€"), (2, "😀b"), (4, "")]
+
+
+event_streams = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b", "c"]),
+        st.one_of(
+            st.tuples(st.just("prompt"), st.sampled_from(["bytes", "nope"])),
+            st.tuples(
+                st.just("tokens"),
+                st.integers(1, 6),
+                st.lists(
+                    st.sampled_from([65, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, UNKNOWN_ID]), max_size=4
+                ),
+            ),
+            st.tuples(st.just("finish"), st.integers(1, 6)),
+        ),
+    ),
+    max_size=30,
+)
+
+
+def _event(request_id: str, spec: tuple) -> ParsedEvent:
+    if spec[0] == "prompt":
+        return prompt(request_id, model=spec[1])
+    if spec[0] == "tokens":
+        return tokens(spec[1], spec[2], request_id)
+    return finish(spec[1], request_id)
+
+
+@settings(max_examples=150, deadline=None)
+@given(stream=event_streams, cuts=st.lists(st.integers(0, 30), max_size=5), short=st.booleans())
+def test_any_event_stream_keeps_the_invariants(registry, stream, cuts, short) -> None:
+    """Whatever the order and the batching: nothing raises, every snapshot restores to itself,
+    each request's deltas are contiguous in text offsets up to its completion, and without
+    expiries a request completes at most once."""
+    ttl = {"request_ttl_s": 4, "finished_retention_s": 6} if short else {}
+    processor = RequestProcessor(registry, max_text_bytes=12, max_held_bytes=400, **ttl)
+    events = [_event(request_id, spec) for request_id, spec in stream]
+    bounds = [0, *sorted(cuts), len(events)]
+    offsets: dict[str, int] = {}
+    completions: dict[str, int] = {}
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        result = run_records(processor, *events[start:end], now=float(start))
+        expired = processor.expire(float(start), limit=1)
+        for delta in result.deltas + expired.deltas:
+            assert delta.text_offset == offsets.get(delta.request_id, 0)
+            offsets[delta.request_id] = delta.text_offset + len(delta.text)
+        for completion in result.completions + expired.completions:
+            completions[completion.request_id] = completions.get(completion.request_id, 0) + 1
+            assert len(completion.text) == offsets.pop(completion.request_id, 0)
+        for request_id in result.touched | expired.touched:
+            value = processor.snapshot(request_id)
+            restored = RequestProcessor(registry)
+            restored.restore(request_id, value)
+            assert restored.snapshot(request_id) == value
+    if not short:
+        assert all(count == 1 for count in completions.values())
