@@ -26,12 +26,7 @@ from tokenizers import Tokenizer
 
 from pipeline.batch import decode_round
 from pipeline.dead_letter_reasons import REASONS
-from pipeline.decode_stream import (
-    DecodeStream,
-    InvalidTokenIdError,
-    StrictDecodeError,
-    utf8_len,
-)
+from pipeline.decode_stream import DecodeStream, InvalidTokenIdError, StrictDecodeError
 from pipeline.errors import SnapshotError
 from pipeline.request_state import (
     ActiveRequest,
@@ -41,6 +36,8 @@ from pipeline.request_state import (
     RequestState,
     decode_snapshot,
     encode_snapshot,
+    json_prefix,
+    json_size,
 )
 from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
@@ -87,8 +84,9 @@ class RequestProcessor:
         # late prompt reopening a finished request can no longer replace its completion).
         self.finished_retention_s = finished_retention_s
         # A request's text is carried whole by its completion and by each of its snapshots, so
-        # it must fit the output topics' record size: past this many UTF-8 bytes the request
-        # fails (`output_too_large`) with the text up to the limit. None: no limit.
+        # it must fit the output topics' record size: past this many bytes (as JSON: UTF-8,
+        # escapes included) the request fails (`output_too_large`) with the text up to the
+        # limit. None: no limit.
         self.max_text_bytes = max_text_bytes
         # Held (out-of-order) events are stored in the request's snapshot until the gap closes;
         # past this many bytes of held records in one request, it fails like a gap that never
@@ -108,7 +106,9 @@ class RequestProcessor:
         """Sequence and decode one batch of events.
 
         Each request's `last_event_at` is the event time: the origin's timestamp when it has
-        one, else `now`. So a backlog consumed late does not look idle (see `expire`).
+        one, else `now`. So a backlog consumed late does not look idle (see `expire`). A
+        timestamp ahead of `now` (a producer whose clock runs fast) counts as `now`: otherwise
+        one bad clock would keep its requests from ever expiring, and their state forever.
         """
         result = BatchResult()
         work: dict[str, _Work] = {}
@@ -116,7 +116,7 @@ class RequestProcessor:
         for event, origin in batch:
             counts[event.type] += 1
             timestamp_ms = origin.timestamp_ms
-            at = now if timestamp_ms is None or timestamp_ms < 0 else timestamp_ms / 1000
+            at = now if timestamp_ms is None or timestamp_ms < 0 else min(timestamp_ms / 1000, now)
             try:
                 self._sequence(event, origin, at, work, result)
             except Exception as error:  # one request's fault must not end the batch
@@ -309,7 +309,7 @@ class RequestProcessor:
         state.generated_tokens += len(chunk)
         result.decoded_tokens += len(chunk)
         limit = self.max_text_bytes
-        if limit is not None and state.text_bytes + utf8_len(text) > limit:
+        if limit is not None and state.text_size + json_size(text) > limit:
             self._fail_too_large(entry, text, result)
             return
         offset = state.text_chars
@@ -407,10 +407,9 @@ class RequestProcessor:
     def _fitting(self, state: ActiveRequest, text: str) -> str:
         """The longest prefix of `text` that keeps the request within `max_text_bytes`."""
         limit = self.max_text_bytes
-        if limit is None or state.text_bytes + utf8_len(text) <= limit:
+        if limit is None:
             return text
-        room = max(limit - state.text_bytes, 0)
-        return text.encode("utf-8")[:room].decode("utf-8", "ignore")
+        return json_prefix(text, max(limit - state.text_size, 0))
 
     def _maybe_filtered_ids(
         self, request_id: str, state: ActiveRequest, result: BatchResult

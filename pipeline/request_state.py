@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import msgspec
 from tokenizers import Tokenizer
 
-from pipeline.decode_stream import DecodeStream, utf8_len
+from pipeline.decode_stream import DecodeStream
 from pipeline.errors import SnapshotError
 from pipeline.results import EventOrigin, Header, Origin
 from schemas.events import DeadLetterReason, encode_json
@@ -102,6 +102,24 @@ def held_origin(record: HeldRecord) -> EventOrigin:
     )
 
 
+def json_size(text: str) -> int:
+    """Bytes `text` takes inside a JSON record (UTF-8, quotes and control characters escaped,
+    as `encode_json` writes completions and snapshots)."""
+    return len(encode_json(text)) - 2
+
+
+def json_prefix(text: str, size: int) -> str:
+    """The longest prefix of `text` whose `json_size` is at most `size` (whole characters)."""
+    if json_size(text) <= size:
+        return text
+    used = 0
+    for index, char in enumerate(text):
+        used += json_size(char)
+        if used > size:
+            return text[:index]
+    return text
+
+
 class _ActiveFields(msgspec.Struct, kw_only=True):
     """The plain fields of an active request, shared by the live state and its record."""
 
@@ -124,8 +142,8 @@ class ActiveRequest(_ActiveFields, kw_only=True):
 
     stream: DecodeStream
     text_parts: list[str] = []
-    text_chars: int = 0
-    text_bytes: int = 0
+    text_chars: int = 0  # characters: a delta's `text_offset`
+    text_size: int = 0  # bytes the text takes in a JSON record: what `max_text_bytes` bounds
     held: dict[int, HeldEvent] = {}
     held_bytes: int = 0  # the size of the held events' records, bounded by `max_held_bytes`
 
@@ -134,7 +152,7 @@ class ActiveRequest(_ActiveFields, kw_only=True):
             return
         self.text_parts.append(text)
         self.text_chars += len(text)
-        self.text_bytes += utf8_len(text)
+        self.text_size += json_size(text)
 
     def text(self) -> str:
         """The whole text; joined once and kept joined, so a later join costs only the tail."""
@@ -245,7 +263,7 @@ def decode_snapshot(
         stream=stream,
         text_parts=[record.text] if record.text else [],
         text_chars=len(record.text),
-        text_bytes=utf8_len(record.text),
+        text_size=json_size(record.text),
         held={held.event.seq: held for held in held},
         held_bytes=sum(len(h.origin.value) for h in held),
     )

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pipeline.decode_stream import DecodeStream
 from pipeline.processor import RequestProcessor
+from pipeline.request_state import json_size
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.fast_events import ParsedEvent, ParsedPrompt
 from tests.unit.request_events import (
@@ -179,10 +180,14 @@ def test_ttl_runs_on_event_time_so_a_backlog_does_not_expire_requests(registry) 
     assert "ttl_expired" in reasons(expired)
 
 
-def test_an_event_without_a_timestamp_counts_at_processing_time(registry) -> None:
+def test_an_event_without_a_timestamp_or_from_the_future_counts_at_processing_time(
+    registry,
+) -> None:
     processor = RequestProcessor(registry, request_ttl_s=60)
     processor.process([(prompt(), origin(0, timestamp_ms=None))], now=500.0)
     assert processor.requests["r"].last_event_at == 500.0
+    processor.process([(tokens(1, "x"), origin(1, timestamp_ms=10**15))], now=600.0)
+    assert processor.requests["r"].last_event_at == 600.0
 
 
 def test_a_late_prompt_after_retention_cannot_replace_the_completion(registry) -> None:
@@ -299,6 +304,7 @@ def test_any_event_stream_keeps_the_invariants(registry, stream, cuts, short) ->
         for completion in result.completions + expired.completions:
             completions[completion.request_id] = completions.get(completion.request_id, 0) + 1
             assert len(completion.text) == offsets.pop(completion.request_id, 0)
+            assert json_size(completion.text) <= 12
         for request_id in result.touched | expired.touched:
             value = processor.snapshot(request_id)
             restored = RequestProcessor(registry)

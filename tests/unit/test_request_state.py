@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from pipeline.errors import SnapshotError
 from pipeline.processor import RequestProcessor
-from pipeline.request_state import SNAPSHOT_VERSION, ActiveRequest, FailedRequest
+from pipeline.request_state import (
+    SNAPSHOT_VERSION,
+    ActiveRequest,
+    FailedRequest,
+    json_prefix,
+    json_size,
+)
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason
 from tests.unit.request_events import (
@@ -179,6 +185,15 @@ def test_the_text_is_kept_in_parts_and_joined_once(registry) -> None:
     state = processor.requests["r"]
     assert isinstance(state, ActiveRequest)
     assert state.text_parts == ["ab", "é", "é", "é", "é"]
-    assert (state.text_chars, state.text_bytes) == (6, 10)
+    assert (state.text_chars, state.text_size) == (6, 10)
     assert state.text() == "abéééé" and state.text_parts == ["abéééé"]
-    assert len(ids(state.text())) == state.text_bytes
+    assert len(ids(state.text())) == state.text_size
+
+
+@given(st.text(max_size=30), st.integers(0, 60))
+def test_json_prefix_is_the_longest_prefix_within_the_size(text: str, size: int) -> None:
+    prefix = json_prefix(text, size)
+    assert text.startswith(prefix)
+    assert json_size(prefix) <= size
+    assert prefix == text or json_size(text[: len(prefix) + 1]) > size
+    assert json_size(text) == len(msgspec.json.encode(text)) - 2
