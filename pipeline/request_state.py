@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -193,6 +194,14 @@ class FinishedRequest(msgspec.Struct, kw_only=True, tag_field="kind", tag="finis
 
 RequestState = ActiveRequest | FailedRequest | FinishedRequest
 
+_ACTIVE_FIELDS = _ActiveFields.__struct_fields__
+_active_values = operator.attrgetter(*_ACTIVE_FIELDS)
+
+
+def _active_fields(state: _ActiveFields) -> dict[str, Any]:
+    """The shared plain fields of a live state or a record, by name."""
+    return dict(zip(_ACTIVE_FIELDS, _active_values(state), strict=True))
+
 
 class _Snapshot(msgspec.Struct, kw_only=True):
     version: int
@@ -208,18 +217,23 @@ _VERSION_DECODER = msgspec.json.Decoder(_Version)
 
 
 def encode_snapshot(state: RequestState) -> bytes:
-    """The changelog value of one request's state."""
-    if isinstance(state, ActiveRequest):
-        fields = {name: getattr(state, name) for name in _ActiveFields.__struct_fields__}
-        record: ActiveRecord | FailedRequest | FinishedRequest = ActiveRecord(
-            **fields,
-            stream=state.stream.snapshot(),
-            text=state.text(),
-            held=[held_record(state.held[seq].origin) for seq in sorted(state.held)],
-        )
+    """The changelog value of one request's state.
+
+    An active request is written as the mapping an `ActiveRecord` decodes from, not built as
+    one: constructing the Struct only to encode it doubled the cost of a snapshot, and the
+    worker writes one for every request each commit touched.
+    """
+    if type(state) is ActiveRequest:
+        record: dict[str, Any] | FailedRequest | FinishedRequest = {
+            "kind": "active",
+            **_active_fields(state),
+            "stream": state.stream.snapshot(),
+            "text": state.text(),
+            "held": [held_record(state.held[seq].origin) for seq in sorted(state.held)],
+        }
     else:
         record = state
-    return encode_json(_Snapshot(version=SNAPSHOT_VERSION, state=record))
+    return encode_json({"version": SNAPSHOT_VERSION, "state": record})
 
 
 def decode_snapshot(
@@ -231,18 +245,13 @@ def decode_snapshot(
     longer configured).
     """
     try:
-        version = _VERSION_DECODER.decode(data).version
+        snapshot = _SNAPSHOT_DECODER.decode(data)
     except (msgspec.DecodeError, TypeError) as error:
-        raise SnapshotError(f"request {request_id!r}: not a snapshot: {error}") from None
-    if version != SNAPSHOT_VERSION:
-        raise SnapshotError(
-            f"request {request_id!r}: snapshot version {version} (this worker reads "
-            f"version {SNAPSHOT_VERSION})"
-        )
-    try:
-        record = _SNAPSHOT_DECODER.decode(data).state
-    except msgspec.DecodeError as error:
+        # Another version may not fit this one's types: say so rather than name a field.
+        _check_version(request_id, _version_of(data))
         raise SnapshotError(f"request {request_id!r}: invalid snapshot: {error}") from None
+    _check_version(request_id, snapshot.version)
+    record = snapshot.state
     if not isinstance(record, ActiveRecord):
         return record
     try:
@@ -257,9 +266,8 @@ def decode_snapshot(
             f"{type(error).__name__}: {error}"
         ) from error
     held = _held_events(request_id, record)
-    fields = {name: getattr(record, name) for name in _ActiveFields.__struct_fields__}
     return ActiveRequest(
-        **fields,
+        **_active_fields(record),
         stream=stream,
         text_parts=[record.text] if record.text else [],
         text_chars=len(record.text),
@@ -267,6 +275,21 @@ def decode_snapshot(
         held={held.event.seq: held for held in held},
         held_bytes=sum(len(h.origin.value) for h in held),
     )
+
+
+def _version_of(data: bytes) -> int | None:
+    try:
+        return _VERSION_DECODER.decode(data).version
+    except (msgspec.DecodeError, TypeError):
+        return None
+
+
+def _check_version(request_id: str, version: int | None) -> None:
+    if version is not None and version != SNAPSHOT_VERSION:
+        raise SnapshotError(
+            f"request {request_id!r}: snapshot version {version} (this worker reads "
+            f"version {SNAPSHOT_VERSION})"
+        )
 
 
 def _held_events(request_id: str, record: ActiveRecord) -> list[HeldEvent]:

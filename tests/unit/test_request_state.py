@@ -197,3 +197,11 @@ def test_json_prefix_is_the_longest_prefix_within_the_size(text: str, size: int)
     assert json_size(prefix) <= size
     assert prefix == text or json_size(text[: len(prefix) + 1]) > size
     assert json_size(text) == len(msgspec.json.encode(text)) - 2
+
+
+def test_a_future_version_is_refused_by_its_version(registry) -> None:
+    value = _snapshot_of(held_request(registry))
+    value["version"] = SNAPSHOT_VERSION + 1
+    value["state"] = {"kind": "something new"}
+    with pytest.raises(SnapshotError, match=f"version {SNAPSHOT_VERSION + 1}"):
+        RequestProcessor(registry).restore("r", json.dumps(value).encode())
