@@ -156,7 +156,8 @@ class ActiveRequest(_ActiveFields, kw_only=True):
         self.text_size += json_size(text)
 
     def text(self) -> str:
-        """The whole text; joined once and kept joined, so a later join costs only the tail."""
+        """The whole text. The join is kept as the one part, so parts never pile up between
+        snapshots; a snapshot still copies the whole text, which `max_text_bytes` bounds."""
         parts = self.text_parts
         if len(parts) > 1:
             parts[:] = ["".join(parts)]
