@@ -102,10 +102,10 @@ class DeadLetter:
 class Delta:
     """New text of one request over input seqs seq_start..seq_end, before it goes on the wire.
 
-    `text_offset` counts the characters of the request's text before this delta (the reader's
-    dedup key under at-least-once). Plain and mutable so the worker can coalesce a request's
-    deltas of one transaction by extending the first (`absorb`) and build the wire record once,
-    at commit.
+    `text_offset` counts the characters (code points) of the request's text before this delta:
+    how a reader places replayed deltas under at-least-once (see `schemas.events.TextDelta`).
+    Plain and mutable so the worker can coalesce a request's deltas of one transaction by
+    extending the first (`absorb`) and build the wire record once, at commit.
     """
 
     request_id: str

@@ -66,11 +66,12 @@ INPUT_EVENT_ADAPTER: TypeAdapter[PromptEvent | TokensEvent | FinishEvent] = Type
 class TextDelta(_Wire):
     """New text of one request, covering input events seq_start..seq_end (inclusive).
 
-    `text_offset` is the number of characters of the request's text before this delta. Under
-    at-least-once, a replay after a crash may cut the seqs differently (deltas for 1..4 and then
-    1..14), so seq ranges can overlap; the text is a function of the ids, so every replayed delta
-    agrees with the first on the characters they share, and a reader dedups by
-    (request_id, text_offset), keeping the characters past what it already has.
+    `text_offset` is the number of characters (Unicode code points) of the request's text before
+    this delta. Under at-least-once, a replay after a crash may cut the seqs differently (deltas
+    for 1..4 and then 1..14), so seq ranges can overlap; the text is a function of the ids, so a
+    replayed delta agrees with the first on every character they share. A reader rebuilds the
+    text by offset: of each delta it keeps the characters past those it already has, so a
+    replay adds nothing twice and a longer one adds only its new tail.
     """
 
     type: Literal["delta"] = "delta"

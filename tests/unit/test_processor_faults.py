@@ -312,3 +312,23 @@ def test_any_event_stream_keeps_the_invariants(registry, stream, cuts, short) ->
             assert restored.snapshot(request_id) == value
     if not short:
         assert all(count == 1 for count in completions.values())
+
+
+def test_replayed_deltas_rebuild_the_text_by_offset(registry) -> None:
+    # Item 11 (processor side): after a crash, deltas for seqs 1..4 and then 1..14 overlap; a
+    # reader that keeps, of each delta, the characters past those it has gets the text once.
+    chunks = [list("a€b😀c".encode())[i : i + 2] for i in range(0, 12, 2)] + [[65]] * 8
+    events = [tokens(seq, chunk) for seq, chunk in enumerate(chunks, start=1)]
+    first = RequestProcessor(registry)
+    run(first, prompt())
+    checkpoint = first.snapshot("r")
+    before_crash = [d for e in events[:4] for d in run(first, e).deltas]
+    replayed = RequestProcessor(registry)
+    replayed.restore("r", checkpoint)
+    after = run(replayed, *events, finish(len(events) + 1))
+    text = ""
+    for delta in before_crash + after.deltas:
+        assert delta.text_offset <= len(text)
+        assert text[delta.text_offset :] == delta.text[: len(text) - delta.text_offset]
+        text += delta.text[len(text) - delta.text_offset :]
+    assert text == after.completions[0].text == "a€b😀c" + "A" * 8
