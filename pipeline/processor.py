@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from pipeline.batch import decode_round
 from pipeline.dead_letter_reasons import REASONS
 from pipeline.decode_stream import DecodeStream, InvalidTokenIdError, StrictDecodeError
-from pipeline.errors import SnapshotError
+from pipeline.errors import SnapshotError, is_record_fault
 from pipeline.request_state import (
     ActiveRequest,
     FailedRequest,
@@ -119,7 +119,9 @@ class RequestProcessor:
             at = now if timestamp_ms is None or timestamp_ms < 0 else min(timestamp_ms / 1000, now)
             try:
                 self._sequence(event, origin, at, work, result)
-            except Exception as error:  # one request's fault must not end the batch
+            except BaseException as error:  # one request's fault must not end the batch
+                if not is_record_fault(error):
+                    raise
                 self._fail_sequencing(event, origin, at, error, work, result)
         self._decode(list(work.values()), result)
         return result
@@ -284,7 +286,9 @@ class RequestProcessor:
             outcomes = decode_round(
                 [(w.state.stream, chunk) for w, chunk in zip(work, chunks, strict=True)]
             )
-        except Exception as error:  # the round isolates streams; this is a failure around them
+        except BaseException as error:  # the round isolates streams; this fault is around them
+            if not is_record_fault(error):
+                raise
             for entry in work:
                 self._fail_unexpected(entry, error, result)
             return
@@ -297,7 +301,9 @@ class RequestProcessor:
                     self._fail_decode(entry, chunk, outcome.text, error, result)
                 else:
                     self._fail_unexpected(entry, error, result)
-            except Exception as unexpected:  # as in `process`: this request only
+            except BaseException as unexpected:  # as in `process`: this request only
+                if not is_record_fault(unexpected):
+                    raise
                 self._fail_unexpected(entry, unexpected, result)
 
     def _advance(self, entry: _Work, chunk: list[int], text: str, result: BatchResult) -> None:
@@ -434,7 +440,7 @@ class RequestProcessor:
         event: ParsedEvent,
         origin: Origin,
         at: float,
-        error: Exception,
+        error: BaseException,
         work: dict[str, _Work],
         result: BatchResult,
     ) -> None:
@@ -469,7 +475,7 @@ class RequestProcessor:
             )
         result.touched.add(request_id)
 
-    def _fail_unexpected(self, entry: _Work, error: Exception, result: BatchResult) -> None:
+    def _fail_unexpected(self, entry: _Work, error: BaseException, result: BatchResult) -> None:
         """An exception while decoding one request's chunk: every event of the chunk is
         dead-lettered with it (which id caused it is unknown), and the request fails with the
         text it had before the chunk (the stream's state is no longer trusted)."""
@@ -738,11 +744,11 @@ def _failing_event_index(events: Sequence[HeldEvent], bad_index: int) -> int:
     return len(events) - 1
 
 
-def _describe(error: Exception) -> str:
+def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _unexpected_letter(event: ParsedEvent, origin: Origin, error: Exception) -> DeadLetter:
+def _unexpected_letter(event: ParsedEvent, origin: Origin, error: BaseException) -> DeadLetter:
     return DeadLetter(
         DeadLetterReason.UNEXPECTED_ERROR,
         type(error).__name__,

@@ -90,6 +90,38 @@ def test_a_decoder_exception_fails_only_its_request(registry, broken_stream) -> 
     assert reasons(run(processor, tokens(5, "late", "bad"))) == ["request_already_failed"]
 
 
+class PanicException(BaseException):
+    """What pyo3 raises for a panic in a Rust extension (the real one is not importable)."""
+
+
+@pytest.mark.parametrize(
+    ("raised", "isolated"),
+    [(PanicException("rust panic"), True), (KeyboardInterrupt(), False)],
+)
+def test_a_rust_panic_is_isolated_but_an_interrupt_is_not(
+    registry, monkeypatch, raised: BaseException, isolated: bool
+) -> None:
+    processor = RequestProcessor(registry)
+    real_init = DecodeStream.__init__
+
+    def init(self, tokenizer, prompt_ids, **options):
+        if list(prompt_ids) == list(b"boom"):
+            raise raised
+        real_init(self, tokenizer, prompt_ids, **options)
+
+    monkeypatch.setattr(DecodeStream, "__init__", init)
+    batch = [prompt("a"), prompt("bad", text="boom"), tokens(1, "A", "a"), finish(2, "a")]
+    if not isolated:
+        with pytest.raises(type(raised)):
+            run(processor, *batch)
+        return
+    result = run(processor, *batch)
+    assert [(c.request_id, c.status) for c in result.completions] == [("a", "ok")]
+    assert [(d.reason.value, d.error_class) for d in result.dead_letters] == [
+        ("unexpected_error", "PanicException")
+    ]
+
+
 def test_an_exception_while_sequencing_fails_only_its_request(registry, monkeypatch) -> None:
     # Item 1: a fault outside the decode (here: opening the stream) is isolated the same way.
     processor = RequestProcessor(registry)
