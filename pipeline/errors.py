@@ -43,14 +43,3 @@ class KeyMismatchError(ValueError):
 
 class PartitionMismatchError(Exception):
     """A request whose events arrive on more than one input partition."""
-
-
-def is_record_fault(error: BaseException) -> bool:
-    """Whether an exception raised while handling one request is that request's to bear.
-
-    Every `Exception` is; so is a panic inside a Rust extension (`tokenizers`), which pyo3
-    raises as `PanicException`, a `BaseException` (it cannot be imported by name): a tokenizer
-    that panics on one sequence of ids must fail that request, not stop the worker, which would
-    panic again on the same record at every restart. Interrupts and exits are never a record's.
-    """
-    return isinstance(error, Exception) or type(error).__name__ == "PanicException"

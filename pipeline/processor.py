@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from pipeline.batch import decode_round
 from pipeline.dead_letter_reasons import REASONS
 from pipeline.decode_stream import DecodeStream, InvalidTokenIdError, StrictDecodeError
-from pipeline.errors import SnapshotError, is_record_fault
+from pipeline.errors import SnapshotError
 from pipeline.request_state import (
     ActiveRequest,
     FailedRequest,
@@ -44,6 +44,7 @@ from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
 from pipeline.vocab_tables import profile_for
 from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, encode_json
 from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
+from schemas.validation import is_record_fault
 
 # How many out-of-order events one request may hold while it waits for a missing seq. Producers
 # that reorder do so by a few events (retries across partitions leaders); a request whose gap

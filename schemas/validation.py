@@ -68,18 +68,17 @@ def parse_event(raw: bytes | str) -> ParsedEvent | Rejection:
     """
     try:
         return decode_event(raw)
-    except MemoryError:
-        raise
-    except Exception:  # a refusal or a failure: either way, the contract judges
-        pass
+    except BaseException as error:  # a refusal or a failure: either way, the contract judges
+        if not is_record_fault(error) or isinstance(error, MemoryError):
+            raise
     try:
         model = INPUT_EVENT_ADAPTER.validate_json(raw)
         return event_from_json(model.model_dump(mode="json"))
     except ValidationError as error:
         return _rejection(error)
-    except MemoryError:
-        raise
-    except Exception as error:  # the rule: any error of one record rejects that record
+    except BaseException as error:  # the rule: any error of one record rejects that record
+        if not is_record_fault(error) or isinstance(error, MemoryError):
+            raise
         return _unexpected(error)
 
 
@@ -91,13 +90,24 @@ def parse_model(model: type[M] | TypeAdapter, raw: bytes | str) -> M | Rejection
         return model.model_validate_json(raw)
     except ValidationError as error:
         return _rejection(error)
-    except MemoryError:
-        raise
-    except Exception as error:  # as in `parse_event`
+    except BaseException as error:  # as in `parse_event`
+        if not is_record_fault(error) or isinstance(error, MemoryError):
+            raise
         return _unexpected(error)
 
 
-def _unexpected(error: Exception) -> Rejection:
+def is_record_fault(error: BaseException) -> bool:
+    """Whether an exception raised while handling one record is that record's to bear.
+
+    Every `Exception` is; so is a panic inside a Rust extension (pydantic-core, `tokenizers`),
+    which pyo3 raises as `PanicException`, a `BaseException` that cannot be imported by name: an
+    extension that panics on one record must reject that record, not stop the worker, which
+    would meet the same record at every restart. Interrupts and exits are never a record's.
+    """
+    return isinstance(error, Exception) or type(error).__name__ == "PanicException"
+
+
+def _unexpected(error: BaseException) -> Rejection:
     return Rejection(
         DeadLetterReason.UNEXPECTED_ERROR, type(error).__name__, str(error)[:MAX_MESSAGE_CHARS]
     )

@@ -123,11 +123,26 @@ def test_a_deeply_nested_field_is_rejected_not_raised() -> None:
         assert "recursion limit" in parsed.message
 
 
-def test_any_exception_while_parsing_is_a_rejection(monkeypatch: pytest.MonkeyPatch) -> None:
+class PanicException(BaseException):
+    """What pyo3 raises for a panic in a Rust extension (the real one is not importable)."""
+
+
+@pytest.mark.parametrize(
+    "raised", [RuntimeError("decoder bug"), PanicException("decoder bug"), MemoryError()]
+)
+def test_any_exception_while_parsing_is_a_rejection(
+    monkeypatch: pytest.MonkeyPatch, raised: BaseException
+) -> None:
     def broken(raw: bytes) -> None:
-        raise RuntimeError("decoder bug")
+        raise raised
 
     monkeypatch.setattr(validation, "decode_event", broken)
     monkeypatch.setattr(validation.INPUT_EVENT_ADAPTER, "validate_json", broken)
-    parsed = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1]}')
-    assert parsed == Rejection(DeadLetterReason.UNEXPECTED_ERROR, "RuntimeError", "decoder bug")
+    raw = b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1]}'
+    if isinstance(raised, MemoryError):  # the process's, not the record's
+        with pytest.raises(MemoryError):
+            parse_event(raw)
+        return
+    assert parse_event(raw) == Rejection(
+        DeadLetterReason.UNEXPECTED_ERROR, type(raised).__name__, "decoder bug"
+    )
