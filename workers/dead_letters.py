@@ -8,15 +8,21 @@ keeps the history of its first failure and gains an incremented attempt count.
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
+import uuid
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from pipeline.processor import DeadLetter
-from workers.kafka_options import add_bootstrap_servers
-from workers.topics import TopicNames
+from workers.kafka_clients import (
+    DeliveryTracker,
+    KafkaConnection,
+    as_connection,
+    make_consumer,
+    make_producer,
+    topic_partitions,
+)
+from workers.topic_names import TopicNames
 
 CONNECT = "__connect.errors."
 DETOK = "__detok.errors."
@@ -77,86 +83,106 @@ def dead_letter_key(letter: DeadLetter) -> bytes | None:
     return letter.request_id.encode() if letter.request_id else None
 
 
+# One metadata request: a live cluster answers in milliseconds; 15 s covers a broker that is still
+# starting and turns an unreachable one into a clear error instead of a hang.
+METADATA_TIMEOUT_S = 15.0
+# How long one redriven record may wait for its acknowledgement before it counts as undelivered.
+DELIVERY_TIMEOUT_S = 60.0
+
+
 def redrive_headers(headers: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
     """Strip this failure's error headers, keep the rest, count the attempt."""
     attempt = 0
     kept = []
     for key, value in headers:
         if key == ATTEMPT_HEADER:
-            attempt = int(value or b"0")
+            attempt = _attempt(value)
         elif not key.startswith((CONNECT, DETOK)):
             kept.append((key, value))
     return kept + [(ATTEMPT_HEADER, str(attempt + 1).encode())]
 
 
+def _attempt(value: bytes | None) -> int:
+    """The attempt count a dead letter carries; anything but a non-negative integer counts as 0.
+
+    The header comes from whoever produced the record: a garbled or forged value must not stop a
+    redrive halfway (which used to lose the record already queued).
+    """
+    try:
+        attempt = int((value or b"0").decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return 0
+    return max(attempt, 0)
+
+
 def redrive(
-    bootstrap_servers: str,
+    connection: KafkaConnection | str,
     names: TopicNames,
     *,
     reason: str | None = None,
     idle_timeout_s: float = 5.0,
 ) -> int:
-    """Re-produce every dead letter (optionally of one reason) to the input topic, in order."""
-    consumer = Consumer(
+    """Re-produce the dead letters present now (optionally of one reason) to the input topic, in
+    order; the number delivered.
+
+    Only records below each partition's end offset at the start are redriven: running workers
+    dead-letter a redriven record again if it still fails, and reading on would send it round
+    forever. Raises KafkaUnavailable or UnknownTopic before reading anything, and
+    UndeliveredRecords (after the whole range) if any record was not delivered.
+    """
+    connection = as_connection(connection)
+    consumer = make_consumer(
+        connection,
         {
-            "bootstrap.servers": bootstrap_servers,
-            "group.id": f"detok-redrive-{os.getpid()}-{time.time_ns()}",
+            "group.id": f"detok-redrive-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
-        }
+        },
     )
-    producer = Producer(
-        {
-            "bootstrap.servers": bootstrap_servers,
-            "enable.idempotence": True,
-            "partitioner": "murmur2_random",
-        }
-    )
-    metadata = consumer.list_topics(names.dead_letters, timeout=30)
-    partitions = metadata.topics[names.dead_letters].partitions
-    consumer.assign([TopicPartition(names.dead_letters, p, 0) for p in partitions])
-    at_end: set[int] = set()
-    sent = 0
-    last_message = time.monotonic()
-    while len(at_end) < len(partitions) and time.monotonic() - last_message < idle_timeout_s:
-        message = consumer.poll(0.5)
-        if message is None:
-            continue
-        if message.error():
-            if message.error().code() == KafkaError._PARTITION_EOF:
-                at_end.add(message.partition())
-                continue
-            raise RuntimeError(f"dead-letter read failed: {message.error()}")
-        last_message = time.monotonic()
-        headers = message.headers() or []
-        if reason is not None and (DETOK + "reason", reason.encode()) not in headers:
-            continue
-        producer.produce(
-            names.input, message.value(), message.key(), headers=redrive_headers(headers)
+    producer = make_producer(connection, {"message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000)})
+    tracker = DeliveryTracker()
+    try:
+        topic_partitions(consumer, names.input, METADATA_TIMEOUT_S)
+        partitions = topic_partitions(consumer, names.dead_letters, METADATA_TIMEOUT_S)
+        ends = {}
+        for partition in partitions:
+            low, high = consumer.get_watermark_offsets(
+                TopicPartition(names.dead_letters, partition), METADATA_TIMEOUT_S, cached=False
+            )
+            if high > low:
+                ends[partition] = (low, high)
+        consumer.assign(
+            [TopicPartition(names.dead_letters, p, low) for p, (low, _) in ends.items()]
         )
-        producer.poll(0)
-        sent += 1
-    producer.flush(30)
-    consumer.close()
-    return sent
-
-
-def add_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("dlq", help="inspect and redrive dead letters")
-    actions = parser.add_subparsers(dest="dlq_action", required=True, metavar="ACTION")
-    redrive_parser = actions.add_parser(
-        "redrive", help="re-produce dead letters to the input topic (original key and value)"
-    )
-    add_bootstrap_servers(redrive_parser)
-    redrive_parser.add_argument("--input-topic", default=TopicNames().input)
-    redrive_parser.add_argument("--dead-letter-topic", default=TopicNames().dead_letters)
-    redrive_parser.add_argument("--reason", help="only dead letters of this reason")
-    redrive_parser.set_defaults(func=_cli_redrive)
-
-
-def _cli_redrive(args: argparse.Namespace) -> int:
-    names = TopicNames(input=args.input_topic, dead_letters=args.dead_letter_topic)
-    sent = redrive(args.bootstrap_servers, names, reason=args.reason)
-    print(f"redriven {sent} dead letters to {names.input}")
-    return 0
+        pending = set(ends)
+        last_message = time.monotonic()
+        while pending and time.monotonic() - last_message < idle_timeout_s:
+            message = consumer.poll(0.5)
+            if message is None:
+                continue
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    pending.discard(message.partition())
+                elif error.fatal():
+                    raise KafkaException(error)
+                continue
+            last_message = time.monotonic()
+            partition, offset = message.partition(), message.offset()
+            end = ends[partition][1]
+            if offset + 1 >= end:
+                pending.discard(partition)
+            if offset >= end:
+                continue
+            headers = message.headers() or []
+            if reason is not None and (DETOK + "reason", reason.encode()) not in headers:
+                continue
+            tracker.produce(
+                producer, names.input, message.value(), key=message.key(),
+                headers=redrive_headers(headers),
+            )  # fmt: skip
+            producer.poll(0)
+    finally:
+        consumer.close()
+    return tracker.settle(producer, DELIVERY_TIMEOUT_S + 5).delivered
