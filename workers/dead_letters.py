@@ -15,6 +15,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from pipeline.processor import DeadLetter
 from workers.kafka_clients import (
+    METADATA_TIMEOUT_S,
     DeliveryTracker,
     KafkaConnection,
     as_connection,
@@ -83,9 +84,6 @@ def dead_letter_key(letter: DeadLetter) -> bytes | None:
     return letter.request_id.encode() if letter.request_id else None
 
 
-# One metadata request: a live cluster answers in milliseconds; 15 s covers a broker that is still
-# starting and turns an unreachable one into a clear error instead of a hang.
-METADATA_TIMEOUT_S = 15.0
 # How long one redriven record may wait for its acknowledgement before it counts as undelivered.
 DELIVERY_TIMEOUT_S = 60.0
 

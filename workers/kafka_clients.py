@@ -35,6 +35,10 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
 # While librdkafka's local queue is full, `produce` raises BufferError; waiting this long for it
 # to send lets the queue drain without spinning.
 QUEUE_FULL_WAIT_S = 0.05
+# A command's first request to the cluster (metadata, a topic's config): a live cluster answers in
+# milliseconds; 15 s covers a broker that is still starting, and turns an unreachable one into a
+# clear error instead of a hang.
+METADATA_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from schemas.events import Completion, LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import Rejection, parse_model
 from workers.kafka_clients import (
+    METADATA_TIMEOUT_S,
     DeliveryTracker,
     KafkaConnection,
     as_connection,
@@ -41,9 +42,6 @@ from workers.topics import message_limit
 # Requests in flight at once while replaying; like `detok run`'s window, so per-partition event
 # order looks like a server streaming this many generations concurrently.
 REPLAY_WINDOW = 256
-# One metadata or config request: a live cluster answers in milliseconds; 15 s covers a broker
-# that is still starting, and turns an unreachable one into a clear error instead of a hang.
-METADATA_TIMEOUT_S = 15.0
 # How long one record may wait for its acknowledgement (librdkafka retries within it) before it
 # counts as not delivered; a broker that goes away mid-replay ends the command within this bound.
 DELIVERY_TIMEOUT_S = 60.0

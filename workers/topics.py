@@ -45,7 +45,13 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from workers.kafka_clients import KafkaConnection, KafkaUnavailable, as_connection, make_admin
+from workers.kafka_clients import (
+    METADATA_TIMEOUT_S,
+    KafkaConnection,
+    KafkaUnavailable,
+    as_connection,
+    make_admin,
+)
 from workers.topic_names import TopicNames
 
 __all__ = [
@@ -241,10 +247,10 @@ def _validate(
 def _partition_counts(admin: AdminClient, topics: list[str]) -> dict[str, int]:
     """Partition counts of those of `topics` that exist."""
     try:
-        metadata = admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+        metadata = admin.list_topics(timeout=METADATA_TIMEOUT_S)
     except KafkaException as error:
         raise KafkaUnavailable(
-            f"no Kafka broker answered within {ADMIN_TIMEOUT_S:.0f} s ({error.args[0].str()})"
+            f"no Kafka broker answered within {METADATA_TIMEOUT_S:.0f} s ({error.args[0].str()})"
         ) from error
     return {
         name: len(metadata.topics[name].partitions) for name in topics if name in metadata.topics
