@@ -19,11 +19,14 @@ from workers.kafka_clients import (
     DeliveryTracker,
     KafkaConnection,
     as_connection,
+    make_admin,
     make_consumer,
     make_producer,
+    sized_for,
     topic_partitions,
 )
 from workers.topic_names import TopicNames
+from workers.topics import message_limit
 
 CONNECT = "__connect.errors."
 DETOK = "__detok.errors."
@@ -138,10 +141,13 @@ def redrive(
             "enable.partition.eof": True,
         },
     )
-    producer = make_producer(connection, {"message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000)})
     tracker = DeliveryTracker()
     try:
         topic_partitions(consumer, names.input, METADATA_TIMEOUT_S)
+        limit = message_limit(make_admin(connection), names.input, METADATA_TIMEOUT_S)
+        producer = make_producer(
+            connection, {**sized_for(limit), "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000)}
+        )
         partitions = topic_partitions(consumer, names.dead_letters, METADATA_TIMEOUT_S)
         ends = {}
         for partition in partitions:

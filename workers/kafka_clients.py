@@ -35,6 +35,8 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
 # While librdkafka's local queue is full, `produce` raises BufferError; waiting this long for it
 # to send lets the queue drain without spinning.
 QUEUE_FULL_WAIT_S = 0.05
+# librdkafka's default `batch.size`.
+DEFAULT_BATCH_BYTES = 1_000_000
 # A command's first request to the cluster (metadata, a topic's config): a live cluster answers in
 # milliseconds; 15 s covers a broker that is still starting, and turns an unreachable one into a
 # clear error instead of a hang.
@@ -71,6 +73,19 @@ def make_producer(
 ) -> Producer:
     """A producer with detok's defaults (see the module docstring) under `settings`."""
     return Producer(connection.client_config({**PRODUCER_DEFAULTS, **(settings or {})}))
+
+
+def sized_for(max_message_bytes: int) -> dict[str, Any]:
+    """Producer settings for a topic that accepts records up to `max_message_bytes`.
+
+    A record over the limit is then refused by the client, alone and at once (a counted delivery
+    failure), instead of by the broker, which refuses its whole batch and so every record batched
+    with it. Batches stay within the limit for the same reason (librdkafka's default is 1 MB).
+    """
+    return {
+        "message.max.bytes": max_message_bytes,
+        "batch.size": min(DEFAULT_BATCH_BYTES, max_message_bytes),
+    }
 
 
 def make_admin(connection: KafkaConnection) -> AdminClient:

@@ -35,6 +35,7 @@ from workers.kafka_clients import (
     make_admin,
     make_consumer,
     make_producer,
+    sized_for,
     topic_partitions,
 )
 from workers.topics import message_limit
@@ -45,10 +46,9 @@ REPLAY_WINDOW = 256
 # How long one record may wait for its acknowledgement (librdkafka retries within it) before it
 # counts as not delivered; a broker that goes away mid-replay ends the command within this bound.
 DELIVERY_TIMEOUT_S = 60.0
-# Batches of up to 1 MB amortise request overhead over many small events; lz4 halves the bytes of
-# the JSON id lists at little CPU cost.
+# A 20 ms linger fills batches of many small events; lz4 halves the bytes of the JSON id lists at
+# little CPU cost.
 REPLAY_PRODUCER_SETTINGS = {"linger.ms": 20, "compression.type": "lz4"}
-REPLAY_BATCH_BYTES = 1_000_000
 
 
 @dataclass
@@ -110,8 +110,7 @@ def replay(
         connection,
         {
             **REPLAY_PRODUCER_SETTINGS,
-            "message.max.bytes": limit,
-            "batch.size": min(REPLAY_BATCH_BYTES, limit),
+            **sized_for(limit),
             "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000),
         },
     )

@@ -16,6 +16,7 @@ from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.test_replay import detok
 from tests.integration.worker_harness import pipeline_topics, read_topic, start_worker, stop
 from workers.dead_letters import ATTEMPT_HEADER, redrive
+from workers.kafka_clients import UndeliveredRecords
 from workers.topic_names import TopicNames
 
 pytestmark = pytest.mark.integration
@@ -91,3 +92,24 @@ def wait_for_records(bootstrap: str, topic: str, count: int) -> list[tuple]:
         if time.monotonic() > deadline:
             pytest.fail(f"{topic} did not reach {count} records: {json.dumps(len(records))}")
         time.sleep(0.5)
+
+
+def test_a_dead_letter_over_the_input_limit_is_counted_and_the_rest_redriven(
+    kafka_bootstrap: str, create_topic: Callable[..., str]
+) -> None:
+    names = TopicNames(
+        input=create_topic("small-in", config={"max.message.bytes": "20000"}),
+        dead_letters=create_topic("dlq"),
+    )
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for value in (b"small-1", b"x" * 50_000, b"small-2"):
+        producer.produce(names.dead_letters, value, b"k")
+    assert producer.flush(WAIT_BOUND_S) == 0
+    with pytest.raises(UndeliveredRecords) as error:
+        redrive(kafka_bootstrap, names)
+    assert (error.value.report.delivered, error.value.report.failed) == (
+        2, {"MSG_SIZE_TOO_LARGE": 1},
+    )  # fmt: skip
+    assert [value for _, value, _ in read_topic(kafka_bootstrap, names.input)] == [
+        b"small-1", b"small-2",
+    ]  # fmt: skip
