@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ClusterMetadata
 
 PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "partitioner": "murmur2_random",
@@ -178,6 +178,18 @@ class DeliveryTracker:
         return report
 
 
+def cluster_metadata(
+    client: Consumer | Producer | AdminClient, timeout_s: float, topic: str | None = None
+) -> ClusterMetadata:
+    """The cluster's metadata (of one topic, or of all), or KafkaUnavailable after `timeout_s`."""
+    try:
+        return client.list_topics(topic, timeout=timeout_s)
+    except KafkaException as error:
+        raise KafkaUnavailable(
+            f"no Kafka broker answered within {timeout_s:.0f} s ({error.args[0].str()})"
+        ) from error
+
+
 def topic_partitions(
     client: Consumer | Producer | AdminClient, topic: str, timeout_s: float
 ) -> list[int]:
@@ -186,13 +198,7 @@ def topic_partitions(
     Raises KafkaUnavailable when no broker answers and UnknownTopic when the topic does not exist,
     so a command says which of the two it met instead of producing into the void or waiting.
     """
-    try:
-        metadata = client.list_topics(topic, timeout=timeout_s)
-    except KafkaException as error:
-        raise KafkaUnavailable(
-            f"no Kafka broker answered within {timeout_s:.0f} s ({error.args[0].str()})"
-        ) from error
-    found = metadata.topics.get(topic)
+    found = cluster_metadata(client, timeout_s, topic).topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
         raise UnknownTopic(f"topic {topic!r} does not exist (create it with `detok topics ensure`)")
     return sorted(found.partitions)

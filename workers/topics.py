@@ -48,8 +48,8 @@ from confluent_kafka.admin import (
 from workers.kafka_clients import (
     METADATA_TIMEOUT_S,
     KafkaConnection,
-    KafkaUnavailable,
     as_connection,
+    cluster_metadata,
     make_admin,
 )
 from workers.topic_names import TopicNames
@@ -246,12 +246,7 @@ def _validate(
 
 def _partition_counts(admin: AdminClient, topics: list[str]) -> dict[str, int]:
     """Partition counts of those of `topics` that exist."""
-    try:
-        metadata = admin.list_topics(timeout=METADATA_TIMEOUT_S)
-    except KafkaException as error:
-        raise KafkaUnavailable(
-            f"no Kafka broker answered within {METADATA_TIMEOUT_S:.0f} s ({error.args[0].str()})"
-        ) from error
+    metadata = cluster_metadata(admin, METADATA_TIMEOUT_S)
     return {
         name: len(metadata.topics[name].partitions) for name in topics if name in metadata.topics
     }
