@@ -89,3 +89,12 @@ def test_a_500k_id_prompt_is_a_counted_failure_not_a_traceback(
     assert "1 of 8 records not delivered (MSG_SIZE_TOO_LARGE=1)" in result.stderr
     assert "Traceback" not in result.stderr
     assert sorted(request_ids_on(kafka_bootstrap, topic)) == ["huge"] * 3 + ["small"] * 4
+
+
+def test_collect_from_a_missing_topic_says_so(kafka_bootstrap: str, tmp_path: Path) -> None:
+    output = tmp_path / "out.jsonl"
+    result = detok("collect", "--topic", unique_name("absent"), "--output", str(output),
+                   bootstrap=kafka_bootstrap)  # fmt: skip
+    assert result.returncode == 1
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+    assert not output.exists()

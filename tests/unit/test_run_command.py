@@ -187,3 +187,18 @@ def test_an_empty_input_is_fine(tmp_path: Path, tokenizer_file: Path) -> None:
     source.write_text("")
     assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 0
     assert (tmp_path / "out.jsonl").read_text() == ""
+
+
+def test_a_file_of_unknown_models_only_is_an_error_without_the_jsonl_hint(
+    tmp_path: Path, tokenizer_file: Path, capsys
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        json.dumps(
+            {"request_id": "m", "model": "other", "prompt_token_ids": [1], "output_token_ids": [2]}
+        )
+        + "\n"
+    )
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 1
+    err = capsys.readouterr().err
+    assert "unknown_model=1" in err and "gave a completion" in err and "JSONL" not in err

@@ -139,13 +139,15 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if totals["completions"] == 0 and totals["dead_letters"] > 0:
-        # Every line was rejected: most likely not a JSONL file of logged generations at all
-        # (a Parquet or CSV file). Exit 0 would let a script go on as if it had decoded something.
-        print(
-            f"detok run: no line of {args.input} gave a completion; is it a JSONL file of "
-            "logged generations?",
-            file=sys.stderr,
+        # Every line was rejected. Exit 0 would let a script go on as if something had been
+        # decoded; when no line even parsed, the file is most likely not JSONL at all (Parquet).
+        unparsed = totals["dl:malformed_json"] + totals["dl:schema_violation"]
+        hint = (
+            "; is it a JSONL file of logged generations?"
+            if unparsed == totals["dead_letters"]
+            else ""
         )
+        print(f"detok run: no line of {args.input} gave a completion{hint}", file=sys.stderr)
         return 1
     return 0
 
