@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from pipeline.processor import DeadLetter
 from workers.kafka_clients import (
@@ -148,37 +149,7 @@ def redrive(
         producer = make_producer(
             connection, {**sized_for(limit), "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000)}
         )
-        partitions = topic_partitions(consumer, names.dead_letters, METADATA_TIMEOUT_S)
-        ends = {}
-        for partition in partitions:
-            low, high = consumer.get_watermark_offsets(
-                TopicPartition(names.dead_letters, partition), METADATA_TIMEOUT_S, cached=False
-            )
-            if high > low:
-                ends[partition] = (low, high)
-        consumer.assign(
-            [TopicPartition(names.dead_letters, p, low) for p, (low, _) in ends.items()]
-        )
-        pending = set(ends)
-        last_message = time.monotonic()
-        while pending and time.monotonic() - last_message < idle_timeout_s:
-            message = consumer.poll(0.5)
-            if message is None:
-                continue
-            error = message.error()
-            if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    pending.discard(message.partition())
-                elif error.fatal():
-                    raise KafkaException(error)
-                continue
-            last_message = time.monotonic()
-            partition, offset = message.partition(), message.offset()
-            end = ends[partition][1]
-            if offset + 1 >= end:
-                pending.discard(partition)
-            if offset >= end:
-                continue
+        for message in _records_present(consumer, names.dead_letters, idle_timeout_s):
             headers = message.headers() or []
             if reason is not None and (DETOK + "reason", reason.encode()) not in headers:
                 continue
@@ -190,3 +161,40 @@ def redrive(
     finally:
         consumer.close()
     return tracker.settle(producer, DELIVERY_TIMEOUT_S + 5).delivered
+
+
+def _records_present(consumer: Consumer, topic: str, idle_timeout_s: float) -> Iterator[Message]:
+    """The records of `topic` below each partition's end offset as of now, in partition order.
+
+    A partition is done at its captured end, or at its end of partition (under read_committed
+    that is the last stable offset, which may lie below the captured end while a transaction is
+    open). Nothing arriving for `idle_timeout_s` also ends the read.
+    """
+    ends = {}
+    for partition in topic_partitions(consumer, topic, METADATA_TIMEOUT_S):
+        low, high = consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), METADATA_TIMEOUT_S, cached=False
+        )
+        if high > low:
+            ends[partition] = (low, high)
+    consumer.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
+    pending = set(ends)
+    last_message = time.monotonic()
+    while pending and time.monotonic() - last_message < idle_timeout_s:
+        message = consumer.poll(0.5)
+        if message is None:
+            continue
+        error = message.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                pending.discard(message.partition())
+            elif error.fatal():
+                raise KafkaException(error)
+            continue
+        last_message = time.monotonic()
+        partition, offset = message.partition(), message.offset()
+        end = ends[partition][1]
+        if offset + 1 >= end:
+            pending.discard(partition)
+        if offset < end:
+            yield message
