@@ -202,3 +202,13 @@ def test_a_file_of_unknown_models_only_is_an_error_without_the_jsonl_hint(
     assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 1
     err = capsys.readouterr().err
     assert "unknown_model=1" in err and "gave a completion" in err and "JSONL" not in err
+
+
+def test_an_output_that_is_a_directory_is_exit_2_and_leaves_no_file(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(generation("a", "Hi", " there") + "\n", encoding="utf-8")
+    (tmp_path / "out").mkdir()
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out", "tokenizer.json"]

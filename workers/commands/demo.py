@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from pipeline.tokenizer_registry import TokenizerSpecError, parse_vocab_size_specs
+from workers.commands import failures
 from workers.commands.options import add_connection_options, add_tokenizer_options, positive_int
 from workers.demo import DEFAULT_OUTPUT_DIR, DEFAULT_SHARED_DIR, DemoOptions, run
 from workers.metrics import DEFAULT_METRICS_PORT
@@ -55,15 +56,17 @@ def run_demo(args: argparse.Namespace) -> int:
     except TokenizerSpecError as error:
         print(f"detok demo: {error}", file=sys.stderr)
         return 2
-    return run(
-        DemoOptions(
-            bootstrap_servers=args.bootstrap_servers,
-            shared_dir=args.shared_dir,
-            tokenizer_overrides=args.tokenizers,
-            model_vocab_sizes=vocab_sizes,
-            requests=args.requests,
-            metrics_port=args.metrics_port,
-            output_dir=args.output_dir,
-            keep_running=args.keep_running,
-        )
+    options = DemoOptions(
+        bootstrap_servers=args.bootstrap_servers,
+        shared_dir=args.shared_dir,
+        tokenizer_overrides=args.tokenizers,
+        model_vocab_sizes=vocab_sizes,
+        requests=args.requests,
+        metrics_port=args.metrics_port,
+        output_dir=args.output_dir,
+        keep_running=args.keep_running,
     )
+    try:
+        return run(options)
+    except failures.KAFKA_FAILURES as error:
+        return failures.report("demo", error)

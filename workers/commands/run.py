@@ -74,7 +74,11 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def check_distinct(input_path: Path, output: Path, dead_letter: Path) -> None:
-    """Raise PathConflict if any two of the run's files are the same file."""
+    """Raise PathConflict if any two of the run's files are the same file, or an output is a
+    directory (found now, not when the finished output is renamed)."""
+    for role, path in (("--output", output), ("--dead-letter", dead_letter)):
+        if path.is_dir():
+            raise PathConflict(f"{role} {path} is a directory")
     roles = {"--input": input_path, "--output": output, "--dead-letter": dead_letter}
     items = list(roles.items())
     for index, (role, path) in enumerate(items):
@@ -163,10 +167,10 @@ def _replacing(path: Path) -> Iterator[TextIO]:
     try:
         with temporary.open("x", encoding="utf-8") as handle:
             yield handle
+        os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    os.replace(temporary, path)
 
 
 def _lines(handle: BinaryIO, progress: tqdm | None) -> Iterator[bytes]:
