@@ -32,6 +32,7 @@ usually does too, so every topic is created here with the shape the pipeline rel
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -74,6 +75,9 @@ MAX_MESSAGE_BYTES = "max.message.bytes"
 # See the module docstring for why each value.
 OUTPUT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 DEAD_LETTER_HEADER_ALLOWANCE = 64 * 1024
+# How often `ensure` looks again for configs still on their way to the brokers: they arrive in
+# milliseconds, so a short pause costs nothing.
+POLL_INTERVAL_S = 0.1
 
 
 class TopicConfigurationMismatch(Exception):
@@ -98,6 +102,11 @@ def required_message_limits(names: TopicNames, input_limit: int) -> dict[str, in
         max(input_limit, OUTPUT_MAX_MESSAGE_BYTES) + DEAD_LETTER_HEADER_ALLOWANCE
     )
     return limits
+
+
+def message_limit(admin: AdminClient, topic: str, timeout_s: float = ADMIN_TIMEOUT_S) -> int:
+    """The `max.message.bytes` a topic accepts (its own setting, else the broker's)."""
+    return int(_configs(admin, [topic], timeout_s)[topic][MAX_MESSAGE_BYTES])
 
 
 def ensure_topics(
@@ -134,9 +143,11 @@ def ensure_topics(
         if name != names.input
     }
     _create(admin, to_create, partitions, replication_factor)
-    raised = _raise_limits(admin, {name: limits[name] for name in existing if name in limits})
     if missing:
+        # Another `ensure` (or an operator) may have created some of them meanwhile.
         _validate(admin, names, partitions, _partition_counts(admin, wanted))
+    raised = _raise_limits(admin, limits)
+    _await_limits(admin, limits)
     return EnsuredTopics(
         created=tuple(missing),
         validated=tuple(name for name in wanted if name in existing),
@@ -215,6 +226,28 @@ def _raise_limits(admin: AdminClient, limits: Mapping[str, int]) -> tuple[str, .
     return tuple(too_low)
 
 
+def _await_limits(admin: AdminClient, limits: Mapping[str, int]) -> None:
+    """Return once every topic shows at least its limit; raise TopicConfigurationMismatch if one
+    does not within ADMIN_TIMEOUT_S.
+
+    A created topic or an altered config reaches the brokers a moment after the admin request
+    returns; a worker started right after `ensure` reads these limits, so `ensure` returns only
+    once they can be read.
+    """
+    deadline = time.monotonic() + ADMIN_TIMEOUT_S
+    while True:
+        current = _configs(admin, list(limits))
+        short = [n for n, limit in limits.items() if int(current[n][MAX_MESSAGE_BYTES]) < limit]
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            raise TopicConfigurationMismatch(
+                f"max.message.bytes of {short} still below {[limits[n] for n in short]} "
+                f"{ADMIN_TIMEOUT_S:.0f} s after setting it"
+            )
+        time.sleep(POLL_INTERVAL_S)
+
+
 def _validate(
     admin: AdminClient, names: TopicNames, partitions: int, existing: dict[str, int]
 ) -> None:
@@ -255,17 +288,26 @@ def _partition_counts(admin: AdminClient, topics: list[str]) -> dict[str, int]:
 def _configs(
     admin: AdminClient, topics: Iterable[str], timeout_s: float = ADMIN_TIMEOUT_S
 ) -> dict[str, dict[str, str]]:
-    """Each topic's effective configuration (its own settings over the broker's defaults)."""
+    """Each topic's effective configuration (its own settings over the broker's defaults).
+
+    Every topic asked about exists; one created a moment ago may still be unknown to the broker
+    that answers, so UNKNOWN_TOPIC_OR_PART is asked again until `timeout_s`.
+    """
     resources = [ConfigResource(ResourceType.TOPIC, name) for name in topics]
     if not resources:
         return {}  # describe_configs refuses an empty request
-    futures = admin.describe_configs(resources, request_timeout=timeout_s)
-    return {
-        resource.name: {key: entry.value for key, entry in future.result(timeout=timeout_s).items()}
-        for resource, future in futures.items()
-    }
-
-
-def message_limit(admin: AdminClient, topic: str, timeout_s: float = ADMIN_TIMEOUT_S) -> int:
-    """The `max.message.bytes` a topic accepts (its own setting, else the broker's)."""
-    return int(_configs(admin, [topic], timeout_s)[topic][MAX_MESSAGE_BYTES])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        futures = admin.describe_configs(resources, request_timeout=timeout_s)
+        try:
+            return {
+                resource.name: {
+                    key: entry.value for key, entry in future.result(timeout=timeout_s).items()
+                }
+                for resource, future in futures.items()
+            }
+        except KafkaException as error:
+            unknown = error.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+            if not unknown or time.monotonic() > deadline:
+                raise
+        time.sleep(POLL_INTERVAL_S)

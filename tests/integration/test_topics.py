@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import pytest
@@ -48,6 +49,17 @@ def topic_shapes(bootstrap: str, names: TopicNames) -> dict[str, tuple[int, str]
         )
         for resource, future in configs.items()
     }
+
+
+def wait_until_listed(bootstrap: str, topic: str) -> None:
+    """A topic is created a moment before every broker lists it; `ensure` can only validate a
+    topic it sees, so a test that wants one refused waits until it is listed."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while topic not in admin.list_topics(timeout=WAIT_BOUND_S).topics:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{topic} was not listed within the wait bound")
+        time.sleep(0.1)
 
 
 def run_detok(*arguments: str, bootstrap: str) -> subprocess.CompletedProcess[str]:
@@ -97,6 +109,7 @@ def test_ensure_refuses_a_changelog_unlike_the_input_and_creates_nothing(
     kafka_bootstrap: str, create_topic: Callable[..., str]
 ) -> None:
     changelog = create_topic("wrong-changelog", partitions=3)  # neither 4 nor compacted
+    wait_until_listed(kafka_bootstrap, changelog)
     names = unique_topic_names().model_copy(update={"changelog": changelog})
     with pytest.raises(TopicConfigurationMismatch, match="changelog") as refusal:
         ensure_topics(kafka_bootstrap, names, partitions=4)
@@ -121,7 +134,9 @@ def test_cli_ensure_is_idempotent_and_refuses_a_mismatch(
     assert result.stdout.count("validated") == 6
     assert {count for count, _ in topic_shapes(kafka_bootstrap, names).values()} == {2}
 
-    mismatched = [*flags[:-1], create_topic("cli-wrong-changelog", partitions=5)]
+    wrong_changelog = create_topic("cli-wrong-changelog", partitions=5)
+    wait_until_listed(kafka_bootstrap, wrong_changelog)
+    mismatched = [*flags[:-1], wrong_changelog]
     refused = run_detok(
         "topics", "ensure", "--partitions", "2", *mismatched, bootstrap=kafka_bootstrap
     )
@@ -155,6 +170,8 @@ def test_ensure_follows_a_larger_input_limit_and_raises_lower_existing_ones(
 ) -> None:
     big_input = create_topic("big-input", partitions=1, config={"max.message.bytes": "20000000"})
     low_deltas = create_topic("low-deltas", partitions=1, config={"max.message.bytes": "1000"})
+    for topic in (big_input, low_deltas):
+        wait_until_listed(kafka_bootstrap, topic)
     names = unique_topic_names().model_copy(update={"input": big_input, "deltas": low_deltas})
     result = ensure_topics(kafka_bootstrap, names, partitions=1)
     assert result.raised_limits == (low_deltas,)
