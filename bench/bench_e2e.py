@@ -46,12 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import TopicPartition
-from confluent_kafka.admin import (
-    AlterConfigOpType,
-    ConfigEntry,
-    ConfigResource,
-    ResourceType,
-)
 from tokenizers import Tokenizer
 
 from bench.workload import generations
@@ -62,7 +56,7 @@ from schemas.events import LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import parse_event
 from workers.broker import answers_metadata, broker_status, start_broker
-from workers.kafka_clients import KafkaConnection, make_admin, make_consumer, make_producer
+from workers.kafka_clients import KafkaConnection, make_consumer, make_producer
 from workers.process_policy import tune_garbage_collector
 from workers.replay import replay, replay_events
 from workers.topics import TopicNames, delete_topics, ensure_topics
@@ -295,25 +289,6 @@ def committed_offsets(bootstrap: str, group: str, topic: str, parts: list[int]) 
         consumer.close()
 
 
-def allow_whole_dead_letters(bootstrap: str, names: TopicNames) -> None:
-    """Let the dead-letter topic take any input record plus its error headers, as the worker
-    requires (workers/output_limits.py); until `detok topics ensure` sets it (contract 6)."""
-    admin = make_admin(KafkaConnection(bootstrap))
-    resource = ConfigResource(
-        ResourceType.TOPIC,
-        names.dead_letters,
-        incremental_configs=[
-            ConfigEntry(
-                "max.message.bytes",
-                str(2 * 1_048_588),
-                incremental_operation=AlterConfigOpType.SET,
-            )
-        ],
-    )
-    for future in admin.incremental_alter_configs([resource]).values():
-        future.result(timeout=WAIT_BOUND_S)
-
-
 def drop_topics(bootstrap: str, names: TopicNames, keep: str | None = None) -> None:
     """Delete a measured run's topics (all but `keep`): a broker left with every run's
     partitions slows down the runs after it (see `workers.topics.delete_topics`)."""
@@ -342,7 +317,6 @@ def run_workers(
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     names = topics(prefix, input_topic)
     ensure_topics(bootstrap, names, PARTITIONS)
-    allow_whole_dead_letters(bootstrap, names)
     group = f"{prefix}-group"
     processes = []
     for index in range(workers):
@@ -420,7 +394,6 @@ def latency_run(
     prefix = f"bench-lat-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
     ensure_topics(bootstrap, names, PARTITIONS)
-    allow_whole_dead_letters(bootstrap, names)
     per_request = workload.generated_tokens / workload.requests
     count = min(workload.requests, max(50, int(tokens_per_s * seconds / per_request)))
     events = timed_events(workload.records[:count])
@@ -565,7 +538,6 @@ def memory_and_restore(
     prefix = f"bench-mem-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
     ensure_topics(bootstrap, names, PARTITIONS)
-    allow_whole_dead_letters(bootstrap, names)
     group = f"{prefix}-group"
     records = (workload.records * (active // workload.requests + 1))[:active]
     # Prompt and two chunks of each: started, text accumulated, not finished.

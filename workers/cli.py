@@ -1,8 +1,9 @@
 """The `detok` console script.
 
-Each subcommand lives in the module that owns its behaviour; this file only wires them into one
-argparse tree, so adding a command is one line in `COMMAND_MODULES`. Modules are imported lazily
-at start-up so that a command never pays for another's imports.
+Each subcommand's flags and exit codes live in its own module under `workers.commands` (the
+library it calls has no argparse); this file only wires them into one argparse tree, so adding a
+command is one line in `COMMAND_MODULES`. Modules are imported lazily at start-up so that a
+command never pays for another's imports.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import sys
 # Each module exposes `add_command(subparsers)`, which registers a parser whose `func(args)`
 # returns the process exit code.
 COMMAND_MODULES = (
-    "workers.run_command",
-    "workers.broker",
-    "workers.topics",
-    "workers.worker_command",
-    "workers.replay",
-    "workers.dead_letters",
-    "workers.demo",
+    "workers.commands.run",
+    "workers.commands.broker",
+    "workers.commands.topics",
+    "workers.commands.worker",
+    "workers.commands.replay",
+    "workers.commands.collect",
+    "workers.commands.dlq",
+    "workers.commands.demo",
 )
 
 
@@ -35,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; its exit code. A usage error is argparse's message and code 2, returned
+    rather than raised, so calling `main` in process behaves like the console script."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as usage_exit:
+        return int(usage_exit.code or 0)
     return int(args.func(args) or 0)
 
 

@@ -13,7 +13,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers.kafka_clients import KafkaConnection
-from workers.topics import TopicNames
+from workers.topic_names import TopicNames
 
 Guarantee = Literal["exactly-once", "at-least-once"]
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from confluent_kafka import Message
-
-from pipeline.processor import EventOrigin
 
 
 class KafkaOrigin:
@@ -50,19 +46,3 @@ class KafkaOrigin:
     @property
     def timestamp_ms(self) -> int | None:
         return self.message.timestamp()[1]
-
-    def to_json(self) -> dict[str, Any]:
-        """The snapshot form of a held record. A header with a null value (Kafka allows them)
-        is kept as empty here: the snapshot codec stores bytes, and a null made it raise
-        (issue 16 item 3). Only the held copy changes; a dead letter keeps the null."""
-        headers = tuple((key, b"" if value is None else value) for key, value in self.headers)
-        origin = EventOrigin(
-            self.source,
-            self.partition,
-            self.offset,
-            self.value,
-            self.key,
-            headers,
-            self.timestamp_ms,
-        )
-        return origin.to_json()

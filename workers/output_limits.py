@@ -17,7 +17,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import ConfigResource, ResourceType
 
 from workers.kafka_clients import KafkaConnection, make_admin
-from workers.topics import TopicNames
+from workers.topic_names import TopicNames
 
 # What a record costs beyond its key, value and header bytes: the record batch header (61 bytes),
 # the record's own framing (varints, attributes, deltas: up to ~20), and a few bytes per header.

@@ -21,7 +21,7 @@ from workers.dead_letters import dead_letter_headers, dead_letter_key
 from workers.kafka_clients import produce
 from workers.output_limits import OutputLimits
 from workers.prometheus import PrometheusMetrics
-from workers.topics import TopicNames
+from workers.topic_names import TopicNames
 
 log = logging.getLogger("detok.worker")
 

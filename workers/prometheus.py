@@ -175,9 +175,9 @@ class PrometheusMetrics:
     def observe_outputs(self, result: BatchResult) -> None:
         for completion in result.completions:
             self.completions_produced.labels(status=completion.status).inc()
-        for metric in result.metrics:
+        for metric in result.filtered_ids:
             self.prompt_ids_filtered.labels(model=metric.model).inc(metric.filtered_count)
-        self.metric_events_produced.inc(len(result.metrics))
+        self.metric_events_produced.inc(len(result.filtered_ids))
 
     def observe_commit(self, seconds: float, committed: bool) -> None:
         self.transactions.labels(outcome="committed" if committed else "aborted").inc()

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from pipeline.processor import BatchResult, DeadLetter
 from schemas.events import DeadLetterReason
-from schemas.fast_events import Event
+from schemas.fast_events import ParsedEvent
 from schemas.validation import Rejection, parse_event
 from workers.kafka_origin import KafkaOrigin
 
@@ -40,7 +40,7 @@ MAX_ERROR_TEXT = 4096
 class ProcessorCalls(Protocol):
     """What record handling needs of the processor (contract 4)."""
 
-    def process(self, batch: Sequence[tuple[Event, Any]], now: float) -> BatchResult: ...
+    def process(self, batch: Sequence[tuple[ParsedEvent, Any]], now: float) -> BatchResult: ...
     def mark_failed(self, request_id: str, reason: DeadLetterReason) -> None: ...
 
 
@@ -74,7 +74,7 @@ def unexpected(error: BaseException, origin: Any, request_id: str | None, seq: A
 
 def parse_record(
     message: Any, owner_of: Callable[[str], int | None]
-) -> tuple[Event, KafkaOrigin] | DeadLetter:
+) -> tuple[ParsedEvent, KafkaOrigin] | DeadLetter:
     """One consumed record as an event, or the dead letter that sets it aside. Never raises."""
     origin = KafkaOrigin(message)
     request_id: str | None = None
@@ -128,7 +128,7 @@ def handle_batch(
         owner = owners.get(request_id)
         return owner if owner is not None else claimed.get(request_id)
 
-    batch: list[tuple[Event, KafkaOrigin]] = []
+    batch: list[tuple[ParsedEvent, KafkaOrigin]] = []
     for message in messages:
         partition = message.partition()
         handled.records += 1
@@ -159,7 +159,7 @@ def handle_batch(
 
 def process_guarded(
     processor: ProcessorCalls,
-    batch: list[tuple[Event, Any]],
+    batch: list[tuple[ParsedEvent, Any]],
     now: float,
     dead_letters: list[DeadLetter],
 ) -> BatchResult:

@@ -37,7 +37,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from pipeline.processor import BatchResult, DeadLetter
+from pipeline.processor import BatchResult, DeadLetter, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, dump_json
 from workers.changelog import RestoreInterrupted, apply_latest, changelog_record, read_latest
@@ -55,7 +55,6 @@ from workers.kafka_clients import make_consumer, make_producer
 from workers.output_limits import OutputLimits
 from workers.output_writer import OutputWriter
 from workers.process_policy import StopRequest
-from workers.processor_contract import ContractProcessor
 from workers.prometheus import PrometheusMetrics
 from workers.record_handling import handle_batch, unexpected
 from workers.run_stats import RunStats, current_rss_bytes
@@ -94,7 +93,7 @@ class Worker:
         self.connection = settings.connection
         self.metrics = metrics
         self.limits = limits
-        self.processor = ContractProcessor(
+        self.processor = RequestProcessor(
             registry,
             unknown_generated_ids=settings.unknown_generated_ids,
             request_ttl_s=settings.request_ttl_s,
@@ -354,7 +353,7 @@ class Worker:
                     request_id=request_id,
                 )
             )
-        for record in result.metrics:
+        for record in result.filtered_ids:
             request_id = record.request_id
             outputs.append(
                 Output(

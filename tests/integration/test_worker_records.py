@@ -31,7 +31,7 @@ from tests.integration.worker_harness import (
     write_jsonl,
 )
 from workers.replay import replay
-from workers.topics import TopicNames
+from workers.topic_names import TopicNames
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

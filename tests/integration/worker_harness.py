@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 from tokenizers import Tokenizer
 
 from pipeline.offline import run_generations
@@ -27,7 +26,8 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.conftest import REPO_ROOT, real_tokenizer_path
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from workers.replay import replay
-from workers.topics import TopicNames, ensure_topics
+from workers.topic_names import TopicNames
+from workers.topics import ensure_topics
 
 QWEN_MODEL_VOCAB = 151_936
 TEXTS = [
@@ -131,18 +131,8 @@ def offline_completions(path: Path, registry: TokenizerRegistry) -> dict[str, di
     }
 
 
-# The dead-letter topic must take any input record plus its error headers, or the worker refuses
-# to start (workers/output_limits.py). Until `detok topics ensure` sets that limit itself
-# (contract 6, the commands room), the tests create the topic with it.
-DEAD_LETTER_MAX_MESSAGE_BYTES = 2 * 1_048_588
-
-
 def pipeline_topics(bootstrap: str, partitions: int = 4) -> TopicNames:
     names = TopicNames.with_prefix(unique_name("wt"))
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    config = {"max.message.bytes": str(DEAD_LETTER_MAX_MESSAGE_BYTES)}
-    created = admin.create_topics([NewTopic(names.dead_letters, partitions, 1, config=config)])
-    created[names.dead_letters].result(timeout=WAIT_BOUND_S)
     ensure_topics(bootstrap, names, partitions)
     return names
 

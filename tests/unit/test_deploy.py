@@ -13,7 +13,7 @@ import yaml
 
 from tests.conftest import REPO_ROOT
 from workers.config import WorkerSettings
-from workers.metrics import DEFAULT_METRICS_PORT, WorkerMetrics
+from workers.prometheus import DEFAULT_METRICS_PORT, PrometheusMetrics
 
 DEPLOY = REPO_ROOT / "deploy"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").rglob("*.json"))
@@ -47,7 +47,7 @@ def exported_metric_names() -> set[str]:
     """Every series name a fresh worker exposes, plus labelled gauges that have no series until
     their first observation (consumer lag appears with the first statistics callback)."""
     names = set()
-    for family in WorkerMetrics(["gpt2"], registry=None).registry.collect():
+    for family in PrometheusMetrics(["gpt2"], registry=None).registry.collect():
         names.update(sample.name for sample in family.samples)
         if family.type == "gauge":
             names.add(family.name)

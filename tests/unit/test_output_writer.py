@@ -17,7 +17,7 @@ from workers.kafka_origin import KafkaOrigin
 from workers.output_limits import RECORD_OVERHEAD_BYTES, OutputLimits
 from workers.output_writer import OutputWriter
 from workers.prometheus import PrometheusMetrics
-from workers.topics import TopicNames
+from workers.topic_names import TopicNames
 
 NAMES = TopicNames()
 LIMIT = 4096

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.processor import RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason
 from schemas.validation import parse_event
@@ -23,7 +24,6 @@ from tests.unit.small_tokenizers import byte_level
 from workers.changelog import PROCESSED_OFFSET_HEADER, apply_latest
 from workers.dead_letters import dead_letter_headers
 from workers.kafka_origin import KafkaOrigin
-from workers.processor_contract import ContractProcessor
 from workers.record_handling import handle_batch
 
 REQUEST_IDS = ["r0", "r1", "r2"]
@@ -38,8 +38,8 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> TokenizerRegistry:
     return registry
 
 
-def new_processor(registry: TokenizerRegistry) -> ContractProcessor:
-    return ContractProcessor(
+def new_processor(registry: TokenizerRegistry) -> RequestProcessor:
+    return RequestProcessor(
         registry, unknown_generated_ids="error", request_ttl_s=3600, finished_retention_s=600
     )
 

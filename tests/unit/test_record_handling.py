@@ -8,26 +8,25 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.processor import BatchResult, DeadLetter
+from pipeline.processor import BatchResult, DeadLetter, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason
 from tests.unit.fake_records import FakeMessage
 from tests.unit.small_tokenizers import byte_level
 from workers.dead_letters import ATTEMPT_HEADER, dead_letter_headers
 from workers.kafka_origin import KafkaOrigin
-from workers.processor_contract import ContractProcessor
 from workers.record_handling import handle_batch
 
 NOW = 1_700_000_000.0
 
 
 @pytest.fixture
-def processor(tmp_path: Path) -> ContractProcessor:
+def processor(tmp_path: Path) -> RequestProcessor:
     path = tmp_path / "tokenizer.json"
     byte_level().save(str(path))
     registry = TokenizerRegistry()
     registry.register("bytes", path)
-    return ContractProcessor(
+    return RequestProcessor(
         registry, unknown_generated_ids="error", request_ttl_s=3600, finished_retention_s=600
     )
 
@@ -117,7 +116,7 @@ def test_two_partitions_in_one_batch_the_first_claims_the_request(processor) -> 
     assert handled.new_owners == {"a": 2}
 
 
-class ExplodingProcessor(ContractProcessor):
+class ExplodingProcessor(RequestProcessor):
     """A processor with a bug that one request's events trigger."""
 
     def process(self, batch, now: float) -> BatchResult:

@@ -19,7 +19,7 @@ from workers.checkpointing import AtLeastOnce, CommitOutcome, Deadline
 from workers.config import WorkerSettings
 from workers.output_limits import OutputLimits
 from workers.prometheus import PrometheusMetrics
-from workers.topics import TopicNames
+from workers.topic_names import TopicNames
 from workers.worker import Worker
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from pydantic import ValidationError
@@ -19,11 +18,17 @@ from pipeline.tokenizer_registry import (
     TokenizerSpecError,
     parse_vocab_size_specs,
 )
+from workers.commands.options import (
+    add_connection_options,
+    add_tokenizer_options,
+    add_topic_options,
+    topic_names_from,
+)
 from workers.config import WorkerSettings
 from workers.output_limits import TopicLimitError, TopicsUnavailable, read_output_limits
 from workers.process_policy import StopRequest, tune_garbage_collector
 from workers.prometheus import PrometheusMetrics
-from workers.topics import TopicNames
+from workers.topic_names import TopicNames
 from workers.worker import Worker
 
 
@@ -34,14 +39,11 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         description="Every option can also be set as a DETOK_* environment variable "
         "(e.g. DETOK_BOOTSTRAP_SERVERS, DETOK_TOKENIZERS='[\"gpt2=/path\"]', DETOK_TOPICS__INPUT).",
     )
-    parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
-    parser.add_argument("--tokenizer", action="append", dest="tokenizers", metavar="MODEL=PATH")
-    parser.add_argument(
-        "--model-vocab-size", action="append", dest="model_vocab_sizes", metavar="MODEL=N"
-    )
+    # Not required here: each may come from a DETOK_* variable instead (see WorkerSettings).
+    add_connection_options(parser, required=False)
+    add_tokenizer_options(parser, required=False)
+    add_topic_options(parser)
     parser.add_argument("--group")
-    for role in TopicNames.model_fields:
-        parser.add_argument(f"--{role.replace('_', '-')}-topic", dest=f"topic_{role}")
     parser.add_argument("--guarantee", choices=["exactly-once", "at-least-once"])
     parser.add_argument("--commit-interval-ms", type=int)
     parser.add_argument(
@@ -81,12 +83,10 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     given = {
         key: value
         for key, value in vars(args).items()
-        if value is not None and key in WorkerSettings.model_fields
+        if value not in (None, []) and key in WorkerSettings.model_fields
     }
-    topics = {role: getattr(args, f"topic_{role}") for role in TopicNames.model_fields}
-    if any(topics.values()):
-        defaults = TopicNames().model_dump()
-        given["topics"] = TopicNames(**{k: v or defaults[k] for k, v in topics.items()})
+    if any(getattr(args, f"{role}_topic") for role in TopicNames.model_fields):
+        given["topics"] = topic_names_from(args)
     return WorkerSettings(**given)
 
 
