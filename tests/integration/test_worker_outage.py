@@ -3,6 +3,7 @@ and a deleted output topic is named as the cause (issue 16 item 16)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -32,8 +33,9 @@ SHUTDOWN_TIMEOUT_S = 5
 
 
 class SteadyInput:
-    """Events for the worker at a steady pace from a thread, so a commit is always pending; it
-    never waits on the broker once told to stop (a dead broker would hold a flush forever)."""
+    """Requests for the worker at a steady pace from a thread, half finished at once, half left
+    open; it never waits on the broker once told to stop (a dead broker would hold a flush
+    forever)."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         self.producer = Producer({"bootstrap.servers": bootstrap, "message.timeout.ms": 5000})
@@ -45,17 +47,20 @@ class SteadyInput:
     def _run(self) -> None:
         index = 0
         while not self.stopped.is_set():
-            for generation in make_generations(20, seed=index):
+            for number, generation in enumerate(make_generations(20, seed=index)):
                 request_id = f"{generation['request_id']}-{index}"
-                self.producer.produce(
-                    self.topic,
-                    (
-                        f'{{"type": "prompt", "request_id": "{request_id}", "model": '
-                        f'"{generation["model"]}", "prompt_token_ids": '
-                        f"{generation['prompt_token_ids']}}}"
-                    ).encode(),
-                    request_id.encode(),
-                )
+                prompt = {
+                    "type": "prompt",
+                    "request_id": request_id,
+                    "model": generation["model"],
+                    "prompt_token_ids": generation["prompt_token_ids"],
+                }
+                self.producer.produce(self.topic, json.dumps(prompt).encode(), request_id.encode())
+                if number % 2:  # half finish at once (a completion), half stay open (the TTL's)
+                    finish = {"type": "finish", "request_id": request_id, "seq": 1}
+                    self.producer.produce(
+                        self.topic, json.dumps(finish).encode(), request_id.encode()
+                    )
             self.producer.poll(0)
             index += 1
             self.stopped.wait(0.05)
