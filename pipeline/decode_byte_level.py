@@ -96,6 +96,8 @@ def ends_clean(raw: bytes, end: int) -> bool:
 class ByteLevelStrategy(ReferenceStrategy):
     """Top-level ByteLevel decoders: the settled fast path, with invalid runs moved to `held`."""
 
+    __slots__ = ("table", "byte_ids")
+
     def __init__(self, profile: TokenizerProfile, skip_special_tokens: bool) -> None:
         super().__init__(profile, skip_special_tokens)
         # id -> token bytes (None = unknown) under this skip flag.
@@ -138,7 +140,7 @@ class ByteLevelStrategy(ReferenceStrategy):
         if not text.endswith(FFFD):
             if pending:
                 state.ids = []
-            if text and state.held:
+            if state.held and text:
                 text = "".join(state.held) + text
                 state.held = []
             return text
@@ -170,17 +172,26 @@ class ByteLevelStrategy(ReferenceStrategy):
         """
         table = self.table
         end = len(raw)
-        for k in range(len(chunk) - 1, 0, -1):
+        last = len(chunk) - 1
+        for k in range(last, 0, -1):
             end -= len(table[chunk[k]])  # type: ignore[arg-type]  # known ids: bytes, not None
-            if ends_clean(raw, end):
+            # The first few positions are tried by decoding (the usual case: one token into a
+            # character, found at once); past them a 4-byte look keeps a long chunk linear.
+            if k > last - 4:
                 text = raw[:end].decode("utf-8", "replace")
-                if state.held:
-                    text = "".join(state.held) + text
-                    state.held = []
-                state.ids = chunk[k:]
-                if len(state.ids) > COMPACT_ABOVE:
-                    self._cut_settled(state, raw[end:])
-                return text
+                if not text or text.endswith(FFFD):
+                    continue
+            elif ends_clean(raw, end):
+                text = raw[:end].decode("utf-8", "replace")
+            else:
+                continue
+            if state.held:
+                text = "".join(state.held) + text
+                state.held = []
+            state.ids = chunk[k:]
+            if len(state.ids) > COMPACT_ABOVE:
+                self._cut_settled(state, raw[end:])
+            return text
         state.ids = state.ids + chunk
         if len(state.ids) > COMPACT_ABOVE:
             self._cut_settled(state, raw)

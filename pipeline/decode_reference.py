@@ -22,6 +22,7 @@ into `held`).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from typing import TypeVar
 
 from tokenizers import Tokenizer
 
@@ -50,6 +51,7 @@ PROMPT_TAIL_PROBES = 32
 # What the push generator yields: sequences to decode; it is sent their texts, in the same order.
 DecodeRequest = list[list[int]]
 PushSteps = Generator[DecodeRequest, list[str], str]
+Result = TypeVar("Result")
 
 
 class ReferenceStrategy:
@@ -63,6 +65,17 @@ class ReferenceStrategy:
     - `flush(state) -> str`: the dangling tail at finish;
     - `decodes_inline`: `push` never needs `tokenizers`, so batching it gains nothing.
     """
+
+    # Slots: the fast paths read these on every chunk, and slot reads beat dict lookups.
+    __slots__ = (
+        "tokenizer",
+        "skip_special_tokens",
+        "profile",
+        "known",
+        "pure_decode",
+        "decodes_inline",
+        "hidden",
+    )
 
     def __init__(self, profile: TokenizerProfile, skip_special_tokens: bool) -> None:
         self.tokenizer: Tokenizer = profile.tokenizer
@@ -79,7 +92,10 @@ class ReferenceStrategy:
 
     def seed(self, state: DecodeState) -> None:
         """Seed at once: the window then never holds more of the prompt than seeding keeps."""
-        self._run(self._seed(state))
+        if self.decodes_inline:
+            next(self._seed(state), None)  # a pure decoder never yields: one step runs it all
+        else:
+            self._run(self._seed(state))
 
     def push(self, state: DecodeState, token_ids: Sequence[int]) -> str:
         """Decode one chunk of generated ids; return the new text ("" if none is ready)."""
@@ -131,7 +147,7 @@ class ReferenceStrategy:
 
     # ----------------------------------------------------------------- decoding plumbing
 
-    def _run(self, steps: Generator[DecodeRequest, list[str], object]) -> object:  # type: ignore[type-arg]
+    def _run(self, steps: Generator[DecodeRequest, list[str], Result]) -> Result:
         """Drive a step generator with direct decodes (the single-stream driver)."""
         try:
             request = next(steps)

@@ -34,6 +34,8 @@ NEVER_VALID = bytes([0xC0, 0xC1, *range(0xF5, 0x100)])
 class SpmByteFallbackStrategy(ReferenceStrategy):
     """The Llama-2 chain: byte-offset arithmetic while the bytes are valid, dead runs held."""
 
+    __slots__ = ("table", "dead_id")
+
     def __init__(self, profile: TokenizerProfile, skip_special_tokens: bool) -> None:
         super().__init__(profile, skip_special_tokens)
         # id -> piece bytes (None = unknown) under this skip flag; see `TokenizerProfile`.
