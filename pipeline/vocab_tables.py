@@ -114,8 +114,8 @@ class TokenizerProfile:
     # flag; Llama-2 chain only. The chain's output is the strict decode of the pieces'
     # concatenation whenever that is valid UTF-8.
     spm_table: dict[bool, list[bytes | None]]
-    # The decode strategy of each skip flag, built on first use by `pipeline.decode_stream` (a
-    # strategy holds only per-tokenizer tables, so every stream of the tokenizer shares it).
+    # The stream class of each skip flag, specialized on first use by `pipeline.decode_stream`
+    # (its class attributes are this tokenizer's tables, shared by every stream of it).
     strategies: dict[bool, Any] = field(default_factory=dict)
 
 
