@@ -45,7 +45,7 @@ from pipeline.decode_state import (
     utf8_len,
     validated_ids,
 )
-from pipeline.vocab_tables import profile_for
+from pipeline.vocab_tables import PROFILES, profile_for
 
 __all__ = [
     "SNAPSHOT_VERSION",
@@ -106,7 +106,10 @@ class DecodeStream(DecodeState):
         unknown_generated_ids: UnknownPolicy = "error",
     ) -> DecodeStream:
         if cls is DecodeStream:
-            cls = stream_class_for(tokenizer, bool(skip_special_tokens))
+            # The cached class without a call when it exists: one stream per request is built.
+            profile = PROFILES.get(id(tokenizer))
+            stream_class = None if profile is None else profile.strategies.get(skip_special_tokens)
+            cls = stream_class or stream_class_for(tokenizer, bool(skip_special_tokens))
         return object.__new__(cls)
 
     def __init__(
@@ -152,6 +155,7 @@ class DecodeStream(DecodeState):
     # The interface, implemented by `ReferenceStream` and its subclasses.
 
     def seed(self) -> None:
+        """Turn the prompt in `ids` into left context (docs/decode-semantics.md, 'Seeding')."""
         raise NotImplementedError
 
     def push(self, token_ids: Sequence[int]) -> str:
