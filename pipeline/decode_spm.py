@@ -188,13 +188,13 @@ class SpmByteFallbackStream(ReferenceStream):
         changes no comparison, only shifts them all by len(A).
         """
         ids = self.ids
-        if not self.prefix_index:
-            self._compact()  # a seed whose clean head was empty: the tail may be a dead run
-            return
-        if len(ids) <= SAFE_SUFFIX_MAX or self.prefix_index < 2:
-            return
-        table = self.table
-        byte_token = self.profile.byte_token
+        if len(ids) > SAFE_SUFFIX_MAX and self.prefix_index >= 2:
+            self._cut_context(ids)
+        # A seed whose clean head left a tail behind it (a dead run, say): the same compaction
+        # as after a push. Its held text is prompt text, emitted only once a token is pushed.
+        self._compact()
+
+    def _cut_context(self, ids: list[int]) -> None:
         if self.prefix_index == len(ids) and self._ends_in_dead_run(ids):
             # The prefix covers a window ending in a dead run: decode(ids + more) =
             # prefix[:-1] + decode([dead] + more), so one dead token with its U+FFFD as prefix
@@ -203,6 +203,8 @@ class SpmByteFallbackStream(ReferenceStream):
             self.prefix = FFFD
             self.prefix_index = 1
             return
+        table = self.table
+        byte_token = self.profile.byte_token
         for k in range(self.prefix_index - 1, 0, -1):
             piece = table[ids[k]]
             if piece and piece != EMPTY_TOKEN_PIECE and not byte_token[ids[k]]:
