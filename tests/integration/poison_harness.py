@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
@@ -363,3 +363,73 @@ def wait_for_keys(bootstrap: str, topic: str, keys: set[bytes]) -> dict[bytes, b
         if time.monotonic() > deadline:
             pytest.fail(f"{len(keys - set(latest))} keys never appeared on {topic}")
         time.sleep(0.5)
+
+
+def committed_offsets(pipeline: Pipeline, partitions: int = 1) -> list[int]:
+    """The group's committed input offsets (what a worker has finished with), per partition."""
+    consumer = Consumer({"bootstrap.servers": pipeline.bootstrap, "group.id": pipeline.group})
+    try:
+        wanted = [TopicPartition(pipeline.names.input, p) for p in range(partitions)]
+        return [tp.offset for tp in consumer.committed(wanted, WAIT_BOUND_S)]
+    finally:
+        consumer.close()
+
+
+def wait_until_consumed(pipeline: Pipeline, offsets: list[int]) -> None:
+    """Wait until the group committed at least `offsets` (one per input partition)."""
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while True:
+        committed = committed_offsets(pipeline, len(offsets))
+        if all(c >= o for c, o in zip(committed, offsets, strict=True)):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the worker did not consume up to {offsets} within the wait bound")
+        time.sleep(0.5)
+
+
+def read_offsets(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, bytes | None]]:
+    """(partition, offset, key, value) of every committed record of `topic`.
+
+    Offsets matter where values do not: under exactly-once each transaction's commit marker
+    takes an offset of every partition it wrote, so a gap between two records' offsets is a
+    transaction boundary.
+    """
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": unique_name("offsets"),
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
+    records = []
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        remaining = set(partitions)
+        deadline = time.monotonic() + WAIT_BOUND_S
+        while remaining:
+            if time.monotonic() > deadline:
+                pytest.fail(f"could not read {topic} to its end within the wait bound")
+            message = consumer.poll(0.5)
+            if message is None:
+                continue
+            if message.error():
+                if message.error().code() == KafkaError._PARTITION_EOF:
+                    remaining.discard(message.partition())
+                    continue
+                pytest.fail(f"read error: {message.error()}")
+            records.append((message.partition(), message.offset(), message.key(), message.value()))
+    finally:
+        consumer.close()
+    return records
+
+
+def process_rss_bytes(pid: int) -> int:
+    """A running process's resident set size (Linux /proc)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
