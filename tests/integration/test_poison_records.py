@@ -11,8 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ResourceType,
+)
 
+from tests.integration.conftest import WAIT_BOUND_S
 from tests.integration.poison_harness import (
+    Pipeline,
     Record,
     assert_good_requests_completed,
     assert_runs_twice_cleanly,
@@ -42,6 +51,33 @@ UNPARSEABLE_REASONS = {b"unexpected_error", b"malformed_json", b"schema_violatio
 def _good(count: int, seed: int, tmp_path: Path) -> tuple[list[dict], dict[str, dict]]:
     generations = make_generations(count, seed=seed)
     return generations, expected_completions(generations, tmp_path)
+
+
+def _has_output_too_large(pipeline: Pipeline, request_id: str) -> bool:
+    """Is there an `output_too_large` dead letter for this request?"""
+    return any(
+        header_values(headers, "__detok.errors.reason") == [b"output_too_large"]
+        and header_values(headers, "__detok.errors.request_id") == [request_id.encode()]
+        for _, _, headers in dead_letters(pipeline)
+    )
+
+
+def _allow_large_records(bootstrap: str, topic: str, max_bytes: int) -> None:
+    """What an operator does to let bigger records in: raise the topic's own limit."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    resource = ConfigResource(
+        ResourceType.TOPIC,
+        topic,
+        incremental_configs=[
+            ConfigEntry(
+                "max.message.bytes",
+                str(max_bytes),
+                incremental_operation=AlterConfigOpType.SET,
+            )
+        ],
+    )
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(timeout=WAIT_BOUND_S)
 
 
 @pytest.mark.slow  # two worker runs
@@ -186,13 +222,56 @@ def test_item2_request_whose_text_passes_1mb_fails_alone_or_completes(
     if outcome["status"] == "ok":
         assert outcome == expected_long
     else:
-        too_large = [
-            headers
-            for _, _, headers in dead_letters(pipeline)
-            if header_values(headers, "__detok.errors.reason") == [b"output_too_large"]
-            and header_values(headers, "__detok.errors.request_id") == [b"long"]
-        ]
-        assert too_large, "failed without an output_too_large dead letter"
+        assert _has_output_too_large(pipeline, "long"), "failed without output_too_large"
+
+
+@pytest.mark.slow  # two worker runs
+def test_item2_200k_id_prompt_on_a_topic_that_allows_it_is_held_over_a_commit(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """An operator raised the input topic's limit; a 200k-id prompt (~1.2 MB) opens a request
+    whose first tokens come only in the second run, so its state is snapshotted in between.
+    Either the request completes, or it alone fails with `output_too_large`."""
+    pipeline = new_pipeline(kafka_bootstrap, tmp_path)
+    _allow_large_records(kafka_bootstrap, pipeline.names.input, 4_000_000)
+    good, expected = _good(20, 169, tmp_path)
+    request = {
+        "request_id": "wide",
+        "model": "gpt2",
+        "prompt_token_ids": [15496] * 200_000,
+        "output_token_ids": [11, 995, 13],
+        "finish_reason": "stop",
+    }
+    expected_request = expected_completions([request], tmp_path)["wide"]
+    wide_prompt = prompt("wide", "gpt2", request["prompt_token_ids"])
+    assert len(wide_prompt) > 1_100_000
+    produce(
+        kafka_bootstrap,
+        pipeline.names.input,
+        [*generation_records(good[:10]), Record(b"wide", wide_prompt)],
+    )
+    first = run_worker_until_idle(pipeline, instance_id="run1")
+    assert first.process.returncode == 0, f"run 1 (prompt open):\n{first.tail()}"
+
+    produce(
+        kafka_bootstrap,
+        pipeline.names.input,
+        [
+            Record(b"wide", tokens("wide", 1, request["output_token_ids"])),
+            Record(b"wide", finish("wide", 2)),
+            *generation_records(good[10:]),
+        ],
+    )
+    second = run_worker_until_idle(pipeline, instance_id="run2")
+    assert second.process.returncode == 0, f"run 2 (tokens and finish):\n{second.tail()}"
+
+    assert_good_requests_completed(pipeline, expected)
+    outcome = completions(pipeline).get("wide")
+    assert outcome is not None, "the wide-prompt request has no completion"
+    if outcome["status"] == "ok":
+        assert outcome == expected_request
+    else:
+        assert _has_output_too_large(pipeline, "wide"), "failed without output_too_large"
 
 
 @pytest.mark.slow  # two worker runs
