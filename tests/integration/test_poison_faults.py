@@ -160,3 +160,20 @@ def test_item16_sigterm_during_a_broker_outage_exits_within_the_grace_period(
     finally:
         broker.stop_broker(data_dir)
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_item16_deleted_output_topic_is_named_not_reported_as_fencing(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """The completions topic disappears under a running worker: whatever it then does, what it
+    says must name that topic, and never blame a newer instance (nobody fenced it)."""
+    pipeline = new_pipeline(kafka_bootstrap, tmp_path)
+    first, second = make_generations(40, seed=1618)[:20], make_generations(40, seed=1618)[20:]
+    produce(kafka_bootstrap, pipeline.names.input, generation_records(first))
+    with started_worker(pipeline) as worker:
+        keys = {g["request_id"].encode() for g in first}
+        wait_for_keys(kafka_bootstrap, pipeline.names.completions, keys)
+        _delete_topic(kafka_bootstrap, pipeline.names.completions)
+        produce(kafka_bootstrap, pipeline.names.input, generation_records(second))
+        _stops_or_obeys_sigterm(worker, pipeline.names.completions)
+        assert "fenced" not in worker.output().lower(), worker.tail(10)
