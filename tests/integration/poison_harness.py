@@ -27,13 +27,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
-from tests.integration.worker_harness import (
-    models,
-    offline_completions,
-    read_topic,
-    topic_args,
-    write_jsonl,
-)
+from tests.integration.worker_harness import models
 from workers.topics import TopicNames
 
 # A worker given `--exit-when-idle` stops a few seconds after its input is drained; on a loaded
@@ -111,6 +105,14 @@ class WorkerProcess:
             if RUN_SUMMARY_MARK in line:
                 return json.loads(line.split(RUN_SUMMARY_MARK, 1)[1])
         return None
+
+
+def topic_args(names: TopicNames) -> list[str]:
+    """`--input-topic NAME --deltas-topic NAME ...`, as `detok worker` and `topics ensure` take."""
+    args = []
+    for role, name in names.model_dump().items():
+        args += [f"--{role.replace('_', '-')}-topic", name]
+    return args
 
 
 def detok_command(*args: str) -> list[str]:
@@ -313,21 +315,58 @@ def generation_records(generations: Iterable[dict], chunk_size: int = 8) -> list
 
 
 def expected_completions(generations: list[dict], work_dir: Path) -> dict[str, dict]:
-    """`detok run`'s completions for these generations: what the worker must publish."""
-    source = write_jsonl(work_dir / f"expected-{time.time_ns()}.jsonl", generations)
-    return offline_completions(source, models().registry())
+    """`detok run`'s completions for these generations: what the worker must publish.
+
+    The offline command is the oracle, run as a user runs it, so these tests depend on no
+    internal decoding API.
+    """
+    stem = work_dir / f"expected-{time.time_ns()}"
+    source, output = stem.with_suffix(".jsonl"), stem.with_suffix(".completions.jsonl")
+    source.write_text("".join(json.dumps(g) + "\n" for g in generations), encoding="utf-8")
+    tokenizer_args = []
+    for spec in models().specs:
+        tokenizer_args += ["--tokenizer", spec]
+    for spec in models().vocab_specs:
+        tokenizer_args += ["--model-vocab-size", spec]
+    result = subprocess.run(
+        detok_command(
+            "run",
+            *tokenizer_args,
+            "--input",
+            str(source),
+            "--output",
+            str(output),
+            "--dead-letter",
+            str(stem.with_suffix(".dead.jsonl")),
+        ),  # fmt: skip
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_BOUND_S * 2,
+    )
+    assert result.returncode == 0, f"detok run failed: {result.stderr}"
+    expected = {}
+    for line in output.read_text(encoding="utf-8").splitlines():
+        completion = json.loads(line)
+        expected[completion["request_id"]] = completion
+    assert len(expected) == len(generations), "detok run did not complete every generation"
+    return expected
 
 
 def completions(pipeline: Pipeline) -> dict[str, dict]:
     """The latest committed completion per key (what a compacted topic keeps)."""
     latest = {}
-    for key, value, _ in read_topic(pipeline.bootstrap, pipeline.names.completions):
-        latest[key.decode()] = json.loads(value)
+    for record in read_records(pipeline.bootstrap, pipeline.names.completions):
+        latest[record.key.decode()] = json.loads(record.value)
     return latest
 
 
 def dead_letters(pipeline: Pipeline) -> list[tuple[bytes | None, bytes | None, list]]:
-    return list(read_topic(pipeline.bootstrap, pipeline.names.dead_letters))
+    """(key, value, headers) of every committed dead letter."""
+    return [
+        (record.key, record.value, record.headers)
+        for record in read_records(pipeline.bootstrap, pipeline.names.dead_letters)
+    ]
 
 
 def header_values(headers: list[tuple[str, bytes | None]], name: str) -> list[bytes | None]:
@@ -357,7 +396,7 @@ def wait_for_keys(bootstrap: str, topic: str, keys: set[bytes]) -> dict[bytes, b
     """Re-read `topic` until every key in `keys` has a committed record; the latest values."""
     deadline = time.monotonic() + WAIT_BOUND_S
     while True:
-        latest = {key: value for key, value, _ in read_topic(bootstrap, topic)}
+        latest = {record.key: record.value for record in read_records(bootstrap, topic)}
         if keys <= set(latest):
             return latest
         if time.monotonic() > deadline:
@@ -387,17 +426,26 @@ def wait_until_consumed(pipeline: Pipeline, offsets: list[int]) -> None:
         time.sleep(0.5)
 
 
-def read_offsets(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None, bytes | None]]:
-    """(partition, offset, key, value) of every committed record of `topic`.
+@dataclass(frozen=True)
+class ReadRecord:
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
 
-    Offsets matter where values do not: under exactly-once each transaction's commit marker
-    takes an offset of every partition it wrote, so a gap between two records' offsets is a
-    transaction boundary.
+
+def read_records(bootstrap: str, topic: str) -> list[ReadRecord]:
+    """Every committed record of `topic` (read_committed, as detok's readers do), to its end.
+
+    Offsets are kept because they show what values do not: under exactly-once each
+    transaction's commit marker takes an offset of every partition it wrote, so a gap between
+    two records' offsets is a transaction boundary.
     """
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            "group.id": unique_name("offsets"),
+            "group.id": unique_name("reader"),
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
             "enable.auto.commit": False,
@@ -420,7 +468,15 @@ def read_offsets(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | Non
                     remaining.discard(message.partition())
                     continue
                 pytest.fail(f"read error: {message.error()}")
-            records.append((message.partition(), message.offset(), message.key(), message.value()))
+            records.append(
+                ReadRecord(
+                    message.partition(),
+                    message.offset(),
+                    message.key(),
+                    message.value(),
+                    message.headers() or [],
+                )
+            )
     finally:
         consumer.close()
     return records

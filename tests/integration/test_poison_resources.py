@@ -20,7 +20,7 @@ from tests.integration.poison_harness import (
     process_rss_bytes,
     produce,
     prompt,
-    read_offsets,
+    read_records,
     started_worker,
     tokens,
     wait_for_keys,
@@ -115,7 +115,7 @@ def test_item14_twenty_thousand_requests_expiring_together_fail_in_bounded_trans
     assert summary is not None and summary["active_requests"] == 0, summary
 
     offsets = sorted(
-        offset for _, offset, _, _ in read_offsets(kafka_bootstrap, pipeline.names.completions)
+        record.offset for record in read_records(kafka_bootstrap, pipeline.names.completions)
     )
     runs, longest = 1, 1
     for previous, offset in zip(offsets, offsets[1:], strict=False):

@@ -22,11 +22,12 @@ from tests.integration.poison_harness import (
     new_pipeline,
     produce,
     prompt,
+    read_records,
     run_worker_until_idle,
     started_worker,
     wait_for_keys,
 )
-from tests.integration.worker_harness import make_generations, read_topic
+from tests.integration.worker_harness import make_generations
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -102,7 +103,9 @@ def test_item10_late_duplicate_prompt_after_retention_keeps_the_ok_completion(
         assert code == 0, worker.tail()
 
     history = [
-        value for k, value, _ in read_topic(kafka_bootstrap, pipeline.names.completions) if k == key
+        record.value
+        for record in read_records(kafka_bootstrap, pipeline.names.completions)
+        if record.key == key
     ]
     assert completions(pipeline)[request_id] == expected[request_id], (
         f"the ok completion was replaced ({len(history)} completions for {request_id})"
