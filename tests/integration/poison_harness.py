@@ -98,7 +98,10 @@ class WorkerProcess:
         return self.stdout_path.read_text(errors="replace") + self.stderr()
 
     def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.output().splitlines()[-lines:])
+        """The last lines of its output, without librdkafka's own log lines (`%3|...`), which
+        repeat many times a second while a broker is unreachable and would hide the cause."""
+        kept = [line for line in self.output().splitlines() if not line.startswith("%")]
+        return "\n".join(kept[-lines:])
 
     def run_summary(self) -> dict | None:
         for line in reversed(self.output().splitlines()):
