@@ -1,4 +1,5 @@
-"""One decode round for many streams: the batched form of `DecodeStream.push` (spec §9.7).
+"""One decode round for many streams: the batched form of `DecodeStream.push`
+(docs/decode-semantics.md, 'Batching').
 
 Each stream's push runs as a generator of decode requests (`DecodeStream.push_steps`). A round
 advances every generator to its next request, then answers all pending requests with ONE
@@ -12,8 +13,8 @@ that: the round simply calls their `push`, which decides most chunks with one ta
 bytes decode, with no generator, no queueing and no FFI call. Those rows are the common case (GPT-2,
 Qwen, Llama-3, OLMo, Llama-2/Mistral-v1 tokenizers), so the loop below keeps them lean. The text of
 every stream is exactly what `push` would give: the generator is the same code.
-A stream whose chunk fails gets its error (and the partial text) in its own `ChunkResult`; the
-others in the batch are untouched.
+A stream whose chunk fails (for any exception) gets its error (and the partial text) in its own
+`ChunkResult`; the others in the batch are untouched.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class ChunkResult(NamedTuple):
     """
 
     text: str
-    error: StrictDecodeError | InvalidTokenIdError | None = None
+    # Strict and invalid-id errors are the input's; any other exception is a fault the caller
+    # isolates to this stream's request.
+    error: Exception | None = None
 
 
 # Most rounds of a busy stream emit text, but many emit nothing (held characters, empty chunks):
@@ -68,6 +71,8 @@ def decode_round(work: Sequence[tuple[DecodeStream, Sequence[int]]]) -> list[Chu
             except StrictDecodeError as error:
                 append(ChunkResult(error.partial_text, error))
             except InvalidTokenIdError as error:
+                append(ChunkResult("", error))
+            except Exception as error:  # any other fault stays with its own stream
                 append(ChunkResult("", error))
             else:
                 append(new_result((text, None)) if text else empty)
@@ -99,6 +104,8 @@ def _advance(
     except StrictDecodeError as error:
         results[index] = ChunkResult(error.partial_text, error)
     except InvalidTokenIdError as error:
+        results[index] = ChunkResult("", error)
+    except Exception as error:  # any other fault stays with its own stream
         results[index] = ChunkResult("", error)
     else:
         waiting.append((index, stream, steps, request))

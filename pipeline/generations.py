@@ -8,20 +8,20 @@ both cut it the same way, so offline and Kafka runs see the same events.
 from __future__ import annotations
 
 from schemas.events import LoggedGeneration
-from schemas.fast_events import Event, FinishEvent, PromptEvent, TokensEvent
+from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
 
 DEFAULT_CHUNK_SIZE = 16
 
 
 def generation_events(
     generation: LoggedGeneration, chunk_size: int = DEFAULT_CHUNK_SIZE
-) -> list[Event]:
+) -> list[ParsedEvent]:
     """prompt (seq 0), tokens chunks (seq 1..k), finish (seq k+1)."""
     if chunk_size < 1:
         raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
     request_id = generation.request_id
-    events: list[Event] = [
-        PromptEvent(
+    events: list[ParsedEvent] = [
+        ParsedPrompt(
             request_id=request_id,
             model=generation.model,
             prompt_token_ids=generation.prompt_token_ids,
@@ -31,9 +31,9 @@ def generation_events(
     ids = generation.output_token_ids
     for seq, start in enumerate(range(0, len(ids), chunk_size), start=1):
         events.append(
-            TokensEvent(request_id=request_id, seq=seq, token_ids=ids[start : start + chunk_size])
+            ParsedTokens(request_id=request_id, seq=seq, token_ids=ids[start : start + chunk_size])
         )
     events.append(
-        FinishEvent(request_id=request_id, seq=len(events), finish_reason=generation.finish_reason)
+        ParsedFinish(request_id=request_id, seq=len(events), finish_reason=generation.finish_reason)
     )
     return events

@@ -11,8 +11,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import zip_longest
 
+from pipeline.errors import DuplicateRequestIdError
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
-from pipeline.processor import BatchResult, DeadLetter, EventOrigin, RequestProcessor
+from pipeline.processor import RequestProcessor
+from pipeline.results import BatchResult, DeadLetter, EventOrigin
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import Completion, DeadLetterReason, LoggedGeneration
 from schemas.validation import Rejection, parse_model
@@ -50,7 +52,7 @@ def run_generations(
         if isinstance(parsed, LoggedGeneration) and parsed.request_id in seen:
             parsed = Rejection(
                 DeadLetterReason.SCHEMA_VIOLATION,
-                "DuplicateRequestId",
+                DuplicateRequestIdError.__name__,
                 f"request id {parsed.request_id!r} already appeared earlier in the input",
             )
         elif isinstance(parsed, LoggedGeneration):

@@ -2,223 +2,54 @@
 
 A request is a prompt (seq 0), generated-id chunks (seq 1, 2, ...) and a finish. The processor
 applies the sequence rules, drives one batched decode round per input batch, and returns plain
-results: text deltas, completions, filtered-id metrics and dead letters. It never sees Kafka: the
-caller hands it parsed events with an opaque `Origin` and ships whatever comes back.
+results (`pipeline.results`): text deltas, completions, filtered-id records and dead letters. It
+never sees Kafka: the caller hands it parsed events with an opaque `Origin` and ships whatever
+comes back.
 
-State lives in `RequestProcessor.requests` (request id -> state), so the worker can snapshot the
-requests a batch touched into its changelog and rebuild them after a crash or a rebalance.
+State lives in `RequestProcessor.requests` (request id -> `pipeline.request_state` record); the
+worker snapshots the requests a batch touched into its changelog (`snapshot`), rebuilds them after
+a crash or a rebalance (`restore`), and drops those of a revoked partition (`forget`).
+
+One rule holds throughout: whatever goes wrong with one request (a broken event, a decoder that
+raises, an output past the broker's limit) ends that request, with a dead letter for each of its
+events involved and a failed completion; the other requests of the batch go on.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal
+
+from tokenizers import Tokenizer
 
 from pipeline.batch import decode_round
-from pipeline.decode_stream import DecodeStream, StrictDecodeError
+from pipeline.dead_letter_reasons import REASONS
+from pipeline.decode_stream import DecodeStream, InvalidTokenIdError, StrictDecodeError
+from pipeline.errors import SnapshotError
+from pipeline.request_state import (
+    ActiveRequest,
+    FailedRequest,
+    FinishedRequest,
+    HeldEvent,
+    RequestState,
+    decode_snapshot,
+    encode_snapshot,
+    json_prefix,
+    json_size,
+)
+from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
 from pipeline.vocab_tables import profile_for
-from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric, encode_json
-from schemas.fast_events import (
-    Event,
-    FinishEvent,
-    PromptEvent,
-    TokensEvent,
-    event_from_json,
-    event_to_json,
-)
+from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, encode_json
+from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
+from schemas.validation import is_record_fault
 
 # How many out-of-order events one request may hold while it waits for a missing seq. Producers
 # that reorder do so by a few events (retries across partitions leaders); a request whose gap
 # needs more than this is broken upstream, and holding more only grows memory and changelog.
 MAX_HELD_EVENTS = 64
-
-
-class Origin(Protocol):
-    """Where an event came from: what a dead letter or a held event's snapshot needs of it.
-
-    The processor only stores origins and hands them back; `EventOrigin` is the plain one, and
-    the Kafka worker passes a lazy view of the consumed record instead (building a full origin
-    for every record cost as much as parsing it, and only dead letters ever read one).
-    """
-
-    @property
-    def source(self) -> str: ...
-    @property
-    def partition(self) -> int: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def value(self) -> bytes: ...
-    @property
-    def key(self) -> bytes | None: ...
-    @property
-    def headers(self) -> tuple[tuple[str, bytes], ...]: ...
-    @property
-    def timestamp_ms(self) -> int | None: ...
-    def to_json(self) -> dict[str, Any]: ...
-
-
-@dataclass(slots=True)
-class EventOrigin:
-    """Where an event came from, kept so a dead letter can carry the original bytes.
-
-    For a JSONL file: the file name, the line number as offset, and the line as value; for a
-    Kafka record (restored from a snapshot): topic, partition, offset, key, value, headers and
-    timestamp. One is built per input line, so it is a plain slotted dataclass: a frozen one
-    costs 4x as much to create.
-    """
-
-    source: str
-    partition: int
-    offset: int
-    value: bytes
-    key: bytes | None = None
-    headers: tuple[tuple[str, bytes], ...] = ()
-    timestamp_ms: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "partition": self.partition,
-            "offset": self.offset,
-            "value": base64.b64encode(self.value).decode(),
-            "key": None if self.key is None else base64.b64encode(self.key).decode(),
-            "headers": [[k, base64.b64encode(v).decode()] for k, v in self.headers],
-            "timestamp_ms": self.timestamp_ms,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> EventOrigin:
-        key = data["key"]
-        return cls(
-            source=data["source"],
-            partition=data["partition"],
-            offset=data["offset"],
-            value=base64.b64decode(data["value"]),
-            key=None if key is None else base64.b64decode(key),
-            headers=tuple((k, base64.b64decode(v)) for k, v in data["headers"]),
-            timestamp_ms=data["timestamp_ms"],
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """A record that could not be processed, and why.
-
-    `origin` is None only for records the processor makes up itself (a TTL expiry), whose value
-    is then `synthetic_value`.
-    """
-
-    reason: DeadLetterReason
-    error_class: str
-    message: str
-    request_id: str | None
-    seq: int | None
-    origin: Origin | None
-    synthetic_value: bytes = b""
-
-    @property
-    def value(self) -> bytes:
-        return self.origin.value if self.origin is not None else self.synthetic_value
-
-
-@dataclass(slots=True)
-class Delta:
-    """New text of one request over input seqs seq_start..seq_end, before it goes on the wire.
-
-    Plain and mutable so the worker can coalesce a request's deltas of one transaction by
-    extending the first (`absorb`) and build the wire model once, at commit.
-    """
-
-    request_id: str
-    model: str
-    seq_start: int
-    seq_end: int
-    text: str
-    final: bool = False
-
-    def absorb(self, later: Delta) -> None:
-        self.seq_end = later.seq_end
-        self.text += later.text
-        self.final = later.final
-
-    def to_wire_json(self) -> bytes:
-        """The `TextDelta` record, encoded directly: building and dumping the pydantic model
-        took ~7 us a delta against ~1 us here, and the worker writes thousands per commit."""
-        return encode_json(
-            {
-                "type": "delta",
-                "request_id": self.request_id,
-                "model": self.model,
-                "seq_start": self.seq_start,
-                "seq_end": self.seq_end,
-                "text": self.text,
-                "final": self.final,
-            }
-        )
-
-
-@dataclass(slots=True)
-class HeldEvent:
-    event: TokensEvent | FinishEvent
-    origin: Origin
-
-
-@dataclass
-class ActiveRequest:
-    """A live request: its decode stream, the text so far, and where its sequence stands."""
-
-    model: str
-    stream: DecodeStream
-    prompt_tokens: int
-    next_seq: int = 1  # the seq that must come next; later ones are held
-    delta_start: int = 1  # first seq not yet covered by a published delta
-    generated_tokens: int = 0
-    text: str = ""
-    metric_sent: bool = False
-    last_event_at: float = 0.0
-    held: dict[int, HeldEvent] = field(default_factory=dict)
-
-
-@dataclass
-class FailedRequest:
-    """A request that can no longer produce text; its later events are dead-lettered too."""
-
-    model: str | None
-    reason: DeadLetterReason
-    last_event_at: float = 0.0
-
-
-@dataclass
-class FinishedRequest:
-    """A marker kept after finish so that late duplicates are counted, not dead-lettered."""
-
-    last_seq: int
-    last_event_at: float = 0.0
-
-
-RequestState = ActiveRequest | FailedRequest | FinishedRequest
-
-
-@dataclass
-class BatchResult:
-    """Everything one `process` call produced, in the order the caller should publish it."""
-
-    deltas: list[Delta] = field(default_factory=list)
-    completions: list[Completion] = field(default_factory=list)
-    metrics: list[FilteredIdsMetric] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
-    duplicates: int = 0
-    events_by_type: dict[str, int] = field(
-        default_factory=lambda: {"prompt": 0, "tokens": 0, "finish": 0}
-    )
-    decoded_tokens: int = 0
-    # Request ids whose state changed (or was removed): the worker snapshots exactly these.
-    touched: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -241,6 +72,8 @@ class RequestProcessor:
         unknown_generated_ids: Literal["error", "skip"] = "error",
         request_ttl_s: float = 3600.0,
         finished_retention_s: float = 600.0,
+        max_text_bytes: int | None = None,
+        max_held_bytes: int | None = None,
     ) -> None:
         self.registry = registry
         self.unknown_generated_ids = unknown_generated_ids
@@ -248,8 +81,18 @@ class RequestProcessor:
         # will complete it, and holding its state forever would leak memory and changelog.
         self.request_ttl_s = request_ttl_s
         # Finished and failed markers only serve to classify late duplicates; a duplicate that
-        # comes later than this is treated as a fresh (orphan) event.
+        # comes later than this is treated as a fresh event (see `_expire_active` for why a
+        # late prompt reopening a finished request can no longer replace its completion).
         self.finished_retention_s = finished_retention_s
+        # A request's text is carried whole by its completion and by each of its snapshots, so
+        # it must fit the output topics' record size: past this many bytes (as JSON: UTF-8,
+        # escapes included) the request fails (`output_too_large`) with the text up to the
+        # limit. None: no limit.
+        self.max_text_bytes = max_text_bytes
+        # Held (out-of-order) events are stored in the request's snapshot until the gap closes;
+        # past this many bytes of held records in one request, it fails like a gap that never
+        # closes, before its snapshot outgrows the changelog's record size. None: no limit.
+        self.max_held_bytes = max_held_bytes
         self.requests: dict[str, RequestState] = {}
 
     def warm_up(self) -> None:
@@ -260,33 +103,49 @@ class RequestProcessor:
 
     # -- the batch ----------------------------------------------------------------------------
 
-    def process(self, batch: Iterable[tuple[Event, Origin]], now: float = 0.0) -> BatchResult:
+    def process(self, batch: Iterable[tuple[ParsedEvent, Origin]], now: float = 0.0) -> BatchResult:
+        """Sequence and decode one batch of events.
+
+        Each request's `last_event_at` is the event time: the origin's timestamp when it has
+        one, else `now`. So a backlog consumed late does not look idle (see `expire`). A
+        timestamp ahead of `now` (a producer whose clock runs fast) counts as `now`: otherwise
+        one bad clock would keep its requests from ever expiring, and their state forever.
+        """
         result = BatchResult()
         work: dict[str, _Work] = {}
+        counts = result.events_by_type
         for event, origin in batch:
-            result.events_by_type[event.type] += 1
-            self._sequence(event, origin, now, work, result)
+            counts[event.type] += 1
+            timestamp_ms = origin.timestamp_ms
+            at = now if timestamp_ms is None or timestamp_ms < 0 else min(timestamp_ms / 1000, now)
+            try:
+                self._sequence(event, origin, at, work, result)
+            except BaseException as error:  # one request's fault must not end the batch
+                if not is_record_fault(error):
+                    raise
+                self._fail_sequencing(event, origin, at, error, work, result)
         self._decode(list(work.values()), result)
         return result
 
     def _sequence(
         self,
-        event: Event,
+        event: ParsedEvent,
         origin: Origin,
-        now: float,
+        at: float,
         work: dict[str, _Work],
         result: BatchResult,
     ) -> None:
         request_id = event.request_id
         state = self.requests.get(request_id)
-        if type(state) is ActiveRequest and type(event) is not PromptEvent:
+        if type(state) is ActiveRequest and type(event) is not ParsedPrompt:
             # The common case first: the next event of a live request.
-            state.last_event_at = now
+            if at > state.last_event_at:
+                state.last_event_at = at
             self._sequence_active(request_id, state, event, origin, work, result)
             return
-        if isinstance(event, PromptEvent):
-            if state is None:
-                self._open(event, origin, now, result)
+        if type(event) is ParsedPrompt:
+            if state is None or (type(state) is FailedRequest and state.at_open):
+                self._open(event, origin, at, result)
             else:
                 result.duplicates += 1
             return
@@ -299,7 +158,7 @@ class RequestProcessor:
                 "no prompt event was seen for this request",
             )
             return
-        state.last_event_at = now
+        state.last_event_at = max(state.last_event_at, at)
         if isinstance(state, FailedRequest):
             self._dead_letter(
                 result,
@@ -328,7 +187,7 @@ class RequestProcessor:
         self,
         request_id: str,
         state: ActiveRequest,
-        event: TokensEvent | FinishEvent,
+        event: ParsedTokens | ParsedFinish,
         origin: Origin,
         work: dict[str, _Work],
         result: BatchResult,
@@ -353,40 +212,39 @@ class RequestProcessor:
             return
         if seq > next_seq:
             held[seq] = HeldEvent(event, origin)
-            if len(held) > MAX_HELD_EVENTS:
-                self._fail_gap(request_id, state, result)
-                work.pop(request_id, None)
+            state.held_bytes += len(origin.value)
+            if len(held) > MAX_HELD_EVENTS or (
+                self.max_held_bytes is not None and state.held_bytes > self.max_held_bytes
+            ):
+                self._fail_gap(request_id, state, work, result)
             return
         if entry is None:
             entry = work[request_id] = _Work(request_id, state)
         entry.events.append(HeldEvent(event, origin))
         next_seq += 1
-        if type(event) is FinishEvent:
+        if type(event) is ParsedFinish:
             entry.finished = True
         # Events that were waiting for this one are now in order, up to a finish.
         while not entry.finished and next_seq in held:
             queued = held.pop(next_seq)
+            state.held_bytes -= len(queued.origin.value)
             entry.events.append(queued)
             next_seq += 1
-            entry.finished = type(queued.event) is FinishEvent
+            entry.finished = type(queued.event) is ParsedFinish
         state.next_seq = next_seq
 
-    def _open(self, event: PromptEvent, origin: Origin, now: float, result: BatchResult) -> None:
+    def _open(self, event: ParsedPrompt, origin: Origin, at: float, result: BatchResult) -> None:
         request_id = event.request_id
         result.touched.add(request_id)
         try:
             model = self.registry.get(event.model)
         except UnknownModelError as error:
-            self._dead_letter(
-                result,
-                DeadLetterReason.UNKNOWN_MODEL,
-                event,
-                origin,
-                str(error),
-                error_class="UnknownModelError",
-            )
+            self._dead_letter(result, DeadLetterReason.UNKNOWN_MODEL, event, origin, str(error))
             self.requests[request_id] = FailedRequest(
-                event.model, DeadLetterReason.UNKNOWN_MODEL, now
+                model=event.model,
+                reason=DeadLetterReason.UNKNOWN_MODEL,
+                last_event_at=at,
+                at_open=True,
             )
             return
         bad_id = model.first_out_of_range(event.prompt_token_ids)
@@ -398,10 +256,12 @@ class RequestProcessor:
                 origin,
                 f"prompt token id {bad_id} is outside the model vocabulary "
                 f"({model.model_vocab_size} ids)",
-                error_class="TokenIdOutOfRange",
             )
             self.requests[request_id] = FailedRequest(
-                event.model, DeadLetterReason.TOKEN_ID_OUT_OF_RANGE, now
+                model=event.model,
+                reason=DeadLetterReason.TOKEN_ID_OUT_OF_RANGE,
+                last_event_at=at,
+                at_open=True,
             )
             return
         stream = DecodeStream(
@@ -414,7 +274,7 @@ class RequestProcessor:
             model=event.model,
             stream=stream,
             prompt_tokens=len(event.prompt_token_ids),
-            last_event_at=now,
+            last_event_at=at,
         )
 
     # -- decoding -----------------------------------------------------------------------------
@@ -423,44 +283,72 @@ class RequestProcessor:
         # Only requests still active get decoded: a gap overflow may have failed one meanwhile.
         work = [w for w in work if self.requests.get(w.request_id) is w.state]
         chunks = [_joined_ids(w.events) for w in work]
-        outcomes = decode_round(
-            [(w.state.stream, chunk) for w, chunk in zip(work, chunks, strict=True)]
-        )
+        try:
+            outcomes = decode_round(
+                [(w.state.stream, chunk) for w, chunk in zip(work, chunks, strict=True)]
+            )
+        except BaseException as error:  # the round isolates streams; this fault is around them
+            if not is_record_fault(error):
+                raise
+            for entry in work:
+                self._fail_unexpected(entry, error, result)
+            return
         for entry, chunk, outcome in zip(work, chunks, outcomes, strict=True):
-            if outcome.error is None:
-                self._advance(entry, chunk, outcome.text, result)
-            else:
-                self._fail_decode(entry, chunk, outcome.text, outcome.error, result)
+            error = outcome.error
+            try:
+                if error is None:
+                    self._advance(entry, chunk, outcome.text, result)
+                elif isinstance(error, StrictDecodeError | InvalidTokenIdError):
+                    self._fail_decode(entry, chunk, outcome.text, error, result)
+                else:
+                    self._fail_unexpected(entry, error, result)
+            except BaseException as unexpected:  # as in `process`: this request only
+                if not is_record_fault(unexpected):
+                    raise
+                self._fail_unexpected(entry, unexpected, result)
 
     def _advance(self, entry: _Work, chunk: list[int], text: str, result: BatchResult) -> None:
         state = entry.state
-        state.generated_tokens += len(chunk)
-        result.decoded_tokens += len(chunk)
         last = entry.events[-1].event
-        finished = isinstance(last, FinishEvent)
+        finished = type(last) is ParsedFinish
         if finished:
             text += state.stream.flush()
-        state.text += text
-        self._maybe_metric(entry.request_id, state, result)
+        state.generated_tokens += len(chunk)
+        result.decoded_tokens += len(chunk)
+        limit = self.max_text_bytes
+        if limit is not None and state.text_size + json_size(text) > limit:
+            self._fail_too_large(entry, text, result)
+            return
+        offset = state.text_chars
+        if text:
+            state.add_text(text)
+        self._maybe_filtered_ids(entry.request_id, state, result)
         if text or finished:
             result.deltas.append(
-                Delta(entry.request_id, state.model, state.delta_start, last.seq, text, finished)
+                Delta(
+                    entry.request_id,
+                    state.model,
+                    state.delta_start,
+                    last.seq,
+                    offset,
+                    text,
+                    finished,
+                )
             )
             state.delta_start = last.seq + 1
         if finished:
             result.completions.append(
                 self._completion(entry.request_id, state, "ok", last.finish_reason)
             )
-            self._close(
-                entry.request_id, state, FinishedRequest(last.seq, state.last_event_at), result
-            )
+            marker = FinishedRequest(last_seq=last.seq, last_event_at=state.last_event_at)
+            self._close(entry.request_id, state, marker, result)
 
     def _fail_decode(
         self,
         entry: _Work,
         chunk: list[int],
         partial_text: str,
-        error: Exception,
+        error: StrictDecodeError | InvalidTokenIdError,
         result: BatchResult,
     ) -> None:
         state = entry.state
@@ -469,11 +357,12 @@ class RequestProcessor:
         bad_index = chunk.index(bad_id) if bad_id in chunk else len(chunk)
         state.generated_tokens += bad_index
         result.decoded_tokens += bad_index
-        state.text += partial_text
-        self._maybe_metric(entry.request_id, state, result)
+        partial_text = self._fitting(state, partial_text)
+        offset = state.text_chars
+        state.add_text(partial_text)
+        self._maybe_filtered_ids(entry.request_id, state, result)
         failing = _failing_event_index(entry.events, bad_index)
         failing_event = entry.events[failing]
-        failing_seq = failing_event.event.seq
         self._dead_letter(
             result,
             DeadLetterReason.STRICT_DECODE_FAILURE,
@@ -482,37 +371,124 @@ class RequestProcessor:
             str(error),
             error_class=type(error).__name__,
         )
-        for held in entry.events[failing + 1 :]:
-            self._dead_letter(
-                result,
-                DeadLetterReason.REQUEST_ALREADY_FAILED,
-                held.event,
-                held.origin,
-                "an earlier event of this request failed to decode",
-            )
-        result.deltas.append(
-            Delta(entry.request_id, state.model, state.delta_start, failing_seq, partial_text, True)
+        self._dead_letter_all(
+            result,
+            DeadLetterReason.REQUEST_ALREADY_FAILED,
+            entry.events[failing + 1 :],
+            "an earlier event of this request failed to decode",
         )
-        result.completions.append(
-            self._completion(entry.request_id, state, "failed", None, str(error))
+        self._end_failed(
+            entry.request_id,
+            state,
+            DeadLetterReason.STRICT_DECODE_FAILURE,
+            str(error),
+            result,
+            last_delta=(failing_event.event.seq, offset, partial_text),
         )
-        failed = FailedRequest(
-            state.model, DeadLetterReason.STRICT_DECODE_FAILURE, state.last_event_at
-        )
-        self._close(entry.request_id, state, failed, result)
 
-    def _maybe_metric(self, request_id: str, state: ActiveRequest, result: BatchResult) -> None:
+    def _fail_too_large(self, entry: _Work, text: str, result: BatchResult) -> None:
+        """The text would pass `max_text_bytes`: keep what fits, fail the request on the event
+        that completed the chunk (the chunk decodes as one, so no finer event is known)."""
+        state = entry.state
+        kept = self._fitting(state, text)
+        offset = state.text_chars
+        state.add_text(kept)
+        self._maybe_filtered_ids(entry.request_id, state, result)
+        last = entry.events[-1]
+        message = (
+            f"the text of request {entry.request_id!r} passes {self.max_text_bytes} bytes (the "
+            f"largest completion the output topic takes); it is cut there"
+        )
+        self._dead_letter(
+            result, DeadLetterReason.OUTPUT_TOO_LARGE, last.event, last.origin, message
+        )
+        self._end_failed(
+            entry.request_id,
+            state,
+            DeadLetterReason.OUTPUT_TOO_LARGE,
+            message,
+            result,
+            last_delta=(last.event.seq, offset, kept),
+        )
+
+    def _fitting(self, state: ActiveRequest, text: str) -> str:
+        """The longest prefix of `text` that keeps the request within `max_text_bytes`."""
+        limit = self.max_text_bytes
+        if limit is None:
+            return text
+        return json_prefix(text, max(limit - state.text_size, 0))
+
+    def _maybe_filtered_ids(
+        self, request_id: str, state: ActiveRequest, result: BatchResult
+    ) -> None:
         filtered = state.stream.filtered_prompt_ids
-        if filtered and not state.metric_sent:
-            state.metric_sent = True
-            result.metrics.append(
-                FilteredIdsMetric(
+        if filtered and not state.filtered_ids_sent:
+            state.filtered_ids_sent = True
+            result.filtered_ids.append(
+                FilteredIdsRecord(
                     request_id=request_id,
                     model=state.model,
                     filtered_ids=list(filtered),
                     filtered_count=len(filtered),
                     prompt_tokens=state.prompt_tokens,
                 )
+            )
+
+    # -- unexpected errors ----------------------------------------------------------------------
+
+    def _fail_sequencing(
+        self,
+        event: ParsedEvent,
+        origin: Origin,
+        at: float,
+        error: BaseException,
+        work: dict[str, _Work],
+        result: BatchResult,
+    ) -> None:
+        """An exception while sequencing one event: that event is dead-lettered with it, and
+        its request fails (a prompt's request is marked failed at open, so a redrive reopens
+        it); events of the request already queued in this batch are dead-lettered too."""
+        request_id = event.request_id
+        result.dead_letters.append(_unexpected_letter(event, origin, error))
+        state = self.requests.get(request_id)
+        entry = work.pop(request_id, None)
+        if entry is not None:
+            queued = [h for h in entry.events if h.event is not event]
+            self._dead_letter_all(
+                result,
+                DeadLetterReason.REQUEST_ALREADY_FAILED,
+                queued,
+                "an event of this request failed unexpectedly",
+            )
+        if isinstance(state, ActiveRequest):
+            held = state.held.get(event.seq)
+            if held is not None and held.event is event:
+                del state.held[event.seq]
+            self._end_failed(
+                request_id, state, DeadLetterReason.UNEXPECTED_ERROR, _describe(error), result
+            )
+        elif state is None:
+            self.requests[request_id] = FailedRequest(
+                model=getattr(event, "model", None),
+                reason=DeadLetterReason.UNEXPECTED_ERROR,
+                last_event_at=at,
+                at_open=True,
+            )
+        result.touched.add(request_id)
+
+    def _fail_unexpected(self, entry: _Work, error: BaseException, result: BatchResult) -> None:
+        """An exception while decoding one request's chunk: every event of the chunk is
+        dead-lettered with it (which id caused it is unknown), and the request fails with the
+        text it had before the chunk (the stream's state is no longer trusted)."""
+        for held in entry.events:
+            result.dead_letters.append(_unexpected_letter(held.event, held.origin, error))
+        if self.requests.get(entry.request_id) is entry.state:
+            self._end_failed(
+                entry.request_id,
+                entry.state,
+                DeadLetterReason.UNEXPECTED_ERROR,
+                _describe(error),
+                result,
             )
 
     # -- endings ------------------------------------------------------------------------------
@@ -528,7 +504,7 @@ class RequestProcessor:
         return Completion(
             request_id=request_id,
             model=state.model,
-            text=state.text,
+            text=state.text(),
             status=status,
             finish_reason=finish_reason,
             prompt_tokens=state.prompt_tokens,
@@ -537,168 +513,215 @@ class RequestProcessor:
             error=error,
         )
 
+    def _end_failed(
+        self,
+        request_id: str,
+        state: ActiveRequest,
+        reason: DeadLetterReason,
+        message: str,
+        result: BatchResult,
+        last_delta: tuple[int, int, str] | None = None,
+    ) -> None:
+        """Fail a live request: its final delta (seq, text offset, text) when it has one, a
+        failed completion with the text so far, and the failed marker."""
+        if last_delta is not None:
+            seq, offset, text = last_delta
+            result.deltas.append(
+                Delta(request_id, state.model, state.delta_start, seq, offset, text, True)
+            )
+        result.completions.append(self._completion(request_id, state, "failed", None, message))
+        marker = FailedRequest(model=state.model, reason=reason, last_event_at=state.last_event_at)
+        self._close(request_id, state, marker, result)
+
     def _close(
         self, request_id: str, state: ActiveRequest, marker: RequestState, result: BatchResult
     ) -> None:
         """Replace an active request by its marker; held events can never be applied now."""
-        for seq in sorted(state.held):
-            held = state.held[seq]
-            self._dead_letter(
-                result,
-                DeadLetterReason.EVENT_AFTER_FINISH
-                if isinstance(marker, FinishedRequest)
-                else DeadLetterReason.REQUEST_ALREADY_FAILED,
-                held.event,
-                held.origin,
-                "event held for a request that has ended",
-            )
-        state.held.clear()
+        reason = (
+            DeadLetterReason.EVENT_AFTER_FINISH
+            if isinstance(marker, FinishedRequest)
+            else DeadLetterReason.REQUEST_ALREADY_FAILED
+        )
+        self._dead_letter_held(result, state, reason, "event held for a request that has ended")
         self.requests[request_id] = marker
         result.touched.add(request_id)
 
-    def _fail_gap(self, request_id: str, state: ActiveRequest, result: BatchResult) -> None:
-        message = f"seq {state.next_seq} never arrived; {len(state.held)} later events held"
-        for seq in sorted(state.held):
-            held = state.held[seq]
-            self._dead_letter(
-                result, DeadLetterReason.SEQUENCE_GAP, held.event, held.origin, message
-            )
-        state.held.clear()
-        result.completions.append(self._completion(request_id, state, "failed", None, message))
-        self._close(
-            request_id,
-            state,
-            FailedRequest(state.model, DeadLetterReason.SEQUENCE_GAP, state.last_event_at),
-            result,
+    def _fail_gap(
+        self, request_id: str, state: ActiveRequest, work: dict[str, _Work], result: BatchResult
+    ) -> None:
+        message = (
+            f"seq {state.next_seq} never arrived; {len(state.held)} later events held "
+            f"({state.held_bytes} bytes)"
         )
+        self._dead_letter_held(result, state, DeadLetterReason.SEQUENCE_GAP, message)
+        # In-order events of this batch would have been decoded with the request; now they
+        # cannot be, and a consumed event is never dropped without a trace.
+        entry = work.pop(request_id, None)
+        if entry is not None:
+            self._dead_letter_all(
+                result,
+                DeadLetterReason.REQUEST_ALREADY_FAILED,
+                entry.events,
+                "the request failed on a sequence gap before this event was decoded",
+            )
+        self._end_failed(request_id, state, DeadLetterReason.SEQUENCE_GAP, message, result)
 
-    def expire(self, now: float) -> BatchResult:
-        """End what has been idle too long: live requests fail (TTL), markers are forgotten."""
+    def expire(
+        self, reference: float | Callable[[str], float], *, limit: int | None = None
+    ) -> BatchResult:
+        """End what has been idle too long: live requests fail (TTL), markers are forgotten.
+
+        Idleness is `reference(request_id) - last_event_at`, both in event time: the worker
+        passes, per request's partition, the wall clock once that partition is caught up and
+        the newest record time consumed from it before, so a backlog never expires requests
+        whose events are still waiting in it. At most `limit` requests are ended per call: an
+        expiry writes a completion, dead letters and a snapshot, and 200k requests idle at
+        once must go out over several commits, not as one transaction.
+        """
         result = BatchResult()
+        reference_of = reference if callable(reference) else _constant(reference)
+        ended = 0
         for request_id, state in list(self.requests.items()):
-            idle = now - state.last_event_at
-            if isinstance(state, ActiveRequest):
+            if limit is not None and ended >= limit:
+                break
+            at = reference_of(request_id)
+            idle = at - state.last_event_at
+            if type(state) is ActiveRequest:
                 if idle < self.request_ttl_s:
                     continue
-                message = f"no event for {idle:.0f}s (ttl {self.request_ttl_s:.0f}s)"
-                for seq in sorted(state.held):
-                    held = state.held[seq]
-                    self._dead_letter(
-                        result,
-                        DeadLetterReason.SEQUENCE_GAP,
-                        held.event,
-                        held.origin,
-                        f"seq {state.next_seq} never arrived",
-                    )
-                state.held.clear()
-                result.dead_letters.append(
-                    DeadLetter(
-                        reason=DeadLetterReason.TTL_EXPIRED,
-                        error_class="RequestExpired",
-                        message=message,
-                        request_id=request_id,
-                        seq=state.next_seq,
-                        origin=None,
-                        synthetic_value=_expiry_record(request_id, state),
-                    )
-                )
-                result.completions.append(
-                    self._completion(request_id, state, "failed", None, message)
-                )
-                self.requests[request_id] = FailedRequest(
-                    state.model, DeadLetterReason.TTL_EXPIRED, now
-                )
-                result.touched.add(request_id)
+                self._expire_active(request_id, state, idle, at, result)
             elif idle >= self.finished_retention_s:
                 del self.requests[request_id]
                 result.touched.add(request_id)
+            else:
+                continue
+            ended += 1
         return result
+
+    def _expire_active(
+        self, request_id: str, state: ActiveRequest, idle: float, at: float, result: BatchResult
+    ) -> None:
+        """Fail an idle request: its held events and a synthetic record go to dead letters.
+
+        A request that never got past its prompt publishes no completion. It has no text, and
+        its id may be that of a request finished long ago whose prompt came again after the
+        finished marker was forgotten (a late duplicate): a `failed` empty completion would then
+        replace the `ok` one in the compacted completions topic. Remembering every finished id
+        forever to tell the two apart would cost memory and changelog without bound; the
+        `ttl_expired` dead letter tells the user the same thing.
+        """
+        message = f"no event for {idle:.0f}s (ttl {self.request_ttl_s:.0f}s)"
+        self._dead_letter_held(
+            result,
+            state,
+            DeadLetterReason.SEQUENCE_GAP,
+            f"seq {state.next_seq} never arrived",
+        )
+        result.dead_letters.append(
+            DeadLetter(
+                reason=DeadLetterReason.TTL_EXPIRED,
+                error_class=REASONS[DeadLetterReason.TTL_EXPIRED].error_class_name,
+                message=message,
+                request_id=request_id,
+                seq=state.next_seq,
+                origin=None,
+                synthetic_value=_expiry_record(request_id, state),
+            )
+        )
+        if state.next_seq > 1:
+            result.completions.append(self._completion(request_id, state, "failed", None, message))
+        self.requests[request_id] = FailedRequest(
+            model=state.model, reason=DeadLetterReason.TTL_EXPIRED, last_event_at=at
+        )
+        result.touched.add(request_id)
 
     def flush_incomplete(self) -> BatchResult:
         """At the end of a finite input: every request still open is dead-lettered as expired."""
         self.request_ttl_s = 0.0
         return self.expire(float("inf"))
 
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests' state, whatever it is (their partition was revoked: the new
+        owner restores them from the changelog)."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    # -- dead letters -------------------------------------------------------------------------
+
     @staticmethod
     def _dead_letter(
         result: BatchResult,
         reason: DeadLetterReason,
-        event: Event,
+        event: ParsedEvent,
         origin: Origin,
         message: str,
-        error_class: str = "SequenceError",
+        error_class: str | None = None,
     ) -> None:
         result.dead_letters.append(
-            DeadLetter(reason, error_class, message, event.request_id, event.seq, origin)
+            DeadLetter(
+                reason,
+                error_class or REASONS[reason].error_class_name,
+                message,
+                event.request_id,
+                event.seq,
+                origin,
+            )
         )
+
+    def _dead_letter_all(
+        self,
+        result: BatchResult,
+        reason: DeadLetterReason,
+        events: Iterable[HeldEvent],
+        message: str,
+    ) -> None:
+        for held in events:
+            self._dead_letter(result, reason, held.event, held.origin, message)
+
+    def _dead_letter_held(
+        self, result: BatchResult, state: ActiveRequest, reason: DeadLetterReason, message: str
+    ) -> None:
+        """Dead-letter every event the request holds, in seq order, and let go of them."""
+        held = state.held
+        self._dead_letter_all(result, reason, (held[seq] for seq in sorted(held)), message)
+        held.clear()
+        state.held_bytes = 0
 
     # -- snapshots ----------------------------------------------------------------------------
 
-    def snapshot(self, request_id: str) -> dict[str, Any] | None:
-        """The JSON-able state of one request, or None when it is gone (a tombstone)."""
+    def snapshot(self, request_id: str) -> bytes | None:
+        """The changelog value of one request, or None when it is gone (a tombstone)."""
         state = self.requests.get(request_id)
-        if state is None:
-            return None
-        if isinstance(state, FinishedRequest):
-            return {"kind": "finished", "last_seq": state.last_seq, "at": state.last_event_at}
-        if isinstance(state, FailedRequest):
-            return {
-                "kind": "failed",
-                "model": state.model,
-                "reason": state.reason.value,
-                "at": state.last_event_at,
-            }
-        return {
-            "kind": "active",
-            "model": state.model,
-            "stream": state.stream.snapshot(),
-            "prompt_tokens": state.prompt_tokens,
-            "next_seq": state.next_seq,
-            "delta_start": state.delta_start,
-            "generated_tokens": state.generated_tokens,
-            "text": state.text,
-            "metric_sent": state.metric_sent,
-            "at": state.last_event_at,
-            "held": [
-                {"event": event_to_json(held.event), "origin": held.origin.to_json()}
-                for held in state.held.values()
-            ],
-        }
+        return None if state is None else encode_snapshot(state)
 
-    def restore(self, request_id: str, snapshot: dict[str, Any] | None) -> None:
-        """Put back one request from its snapshot (None removes it)."""
+    def restore(self, request_id: str, snapshot: bytes | None) -> None:
+        """Put back one request from its changelog value (None removes it).
+
+        Raises `SnapshotError` for a value it cannot restore, leaving the request's state as it
+        was; the caller then decides (the worker: `mark_failed` and a dead letter).
+        """
         if snapshot is None:
             self.requests.pop(request_id, None)
             return
-        kind = snapshot["kind"]
-        if kind == "finished":
-            self.requests[request_id] = FinishedRequest(snapshot["last_seq"], snapshot["at"])
-        elif kind == "failed":
-            self.requests[request_id] = FailedRequest(
-                snapshot["model"], DeadLetterReason(snapshot["reason"]), snapshot["at"]
-            )
-        else:
-            tokenizer = self.registry.get(snapshot["model"]).tokenizer
-            held = {}
-            for item in snapshot["held"]:
-                event = event_from_json(item["event"])
-                held[event.seq] = HeldEvent(event, EventOrigin.from_json(item["origin"]))
-            self.requests[request_id] = ActiveRequest(
-                model=snapshot["model"],
-                stream=DecodeStream.from_snapshot(tokenizer, snapshot["stream"]),
-                prompt_tokens=snapshot["prompt_tokens"],
-                next_seq=snapshot["next_seq"],
-                delta_start=snapshot["delta_start"],
-                generated_tokens=snapshot["generated_tokens"],
-                text=snapshot["text"],
-                metric_sent=snapshot["metric_sent"],
-                last_event_at=snapshot["at"],
-                held=held,
-            )
+        self.requests[request_id] = decode_snapshot(request_id, snapshot, self._tokenizer_of)
+
+    def mark_failed(
+        self, request_id: str, reason: DeadLetterReason, now: float | None = None
+    ) -> None:
+        """Record a request as failed (its state could not be restored): its later events are
+        dead-lettered `request_already_failed` instead of being taken for a new request's."""
+        self.requests[request_id] = FailedRequest(
+            model=None,
+            reason=reason,
+            last_event_at=time.time() if now is None else now,
+        )
+
+    def _tokenizer_of(self, model: str) -> Tokenizer:
+        return self.registry.get(model).tokenizer
 
     @property
     def active_requests(self) -> int:
-        return sum(isinstance(s, ActiveRequest) for s in self.requests.values())
+        return sum(type(s) is ActiveRequest for s in self.requests.values())
 
 
 def _joined_ids(events: Sequence[HeldEvent]) -> list[int]:
@@ -706,7 +729,7 @@ def _joined_ids(events: Sequence[HeldEvent]) -> list[int]:
     per-id Python loop: this runs for every active request of every batch)."""
     ids: list[int] = []
     for held in events:
-        if type(held.event) is TokensEvent:
+        if type(held.event) is ParsedTokens:
             ids += held.event.token_ids
     return ids
 
@@ -715,30 +738,52 @@ def _failing_event_index(events: Sequence[HeldEvent], bad_index: int) -> int:
     """Which of a request's in-order events holds the id at `bad_index` of their joined chunk."""
     consumed = 0
     for index, held in enumerate(events):
-        if isinstance(held.event, TokensEvent):
+        if isinstance(held.event, ParsedTokens):
             consumed += len(held.event.token_ids)
             if bad_index < consumed:
                 return index
     return len(events) - 1
 
 
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _unexpected_letter(event: ParsedEvent, origin: Origin, error: BaseException) -> DeadLetter:
+    return DeadLetter(
+        DeadLetterReason.UNEXPECTED_ERROR,
+        type(error).__name__,
+        str(error) or type(error).__name__,
+        event.request_id,
+        event.seq,
+        origin,
+    )
+
+
+def _constant(value: float) -> Callable[[str], float]:
+    return lambda _request_id: value
+
+
 def _expiry_record(request_id: str, state: ActiveRequest) -> bytes:
-    return json.dumps(
+    return encode_json(
         {
             "request_id": request_id,
             "model": state.model,
             "next_seq": state.next_seq,
             "generated_tokens": state.generated_tokens,
-            "text": state.text,
+            "text": state.text(),
         }
-    ).encode()
+    )
 
 
 __all__ = [
+    "MAX_HELD_EVENTS",
     "BatchResult",
     "DeadLetter",
+    "Delta",
     "EventOrigin",
     "Origin",
     "RequestProcessor",
+    "SnapshotError",
     "StrictDecodeError",
 ]

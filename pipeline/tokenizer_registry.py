@@ -56,19 +56,42 @@ class ModelTokenizer:
 
 
 def resolve_tokenizer_file(path: Path) -> tuple[Path, int | None]:
-    """A tokenizer.json path, or a model folder holding one (and maybe a config.json)."""
-    if path.is_dir():
-        tokenizer_file = path / "tokenizer.json"
-        config = path / "config.json"
-        vocab_size = None
-        if config.is_file():
-            vocab_size = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
-        path = tokenizer_file
-    else:
-        vocab_size = None
-    if not path.is_file():
-        raise TokenizerSpecError(f"no tokenizer file at {path}")
-    return path, vocab_size
+    """A tokenizer.json path, or a model folder holding one (and maybe a config.json).
+
+    Raises TokenizerSpecError for a missing tokenizer file and for a config.json that cannot be
+    read or whose `vocab_size` is not a positive integer: checked here, at start-up, because a
+    wrong size would otherwise fail the first prompt of that model, and again after every restart.
+    """
+    if not path.is_dir():
+        if not path.is_file():
+            raise TokenizerSpecError(f"no tokenizer file at {path}")
+        return path, None
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise TokenizerSpecError(f"no tokenizer file at {tokenizer_file}")
+    config = path / "config.json"
+    if not config.is_file():
+        return tokenizer_file, None
+    return tokenizer_file, _configured_vocab_size(config)
+
+
+def _configured_vocab_size(config: Path) -> int | None:
+    """`vocab_size` of a model's config.json, if it has one."""
+    try:
+        settings = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise TokenizerSpecError(f"cannot read model config {config}: {error}") from error
+    if not isinstance(settings, dict):
+        raise TokenizerSpecError(f"model config {config} is not a JSON object")
+    vocab_size = settings.get("vocab_size")
+    if vocab_size is None:
+        return None
+    # bool is an int in Python; `true` is no vocabulary size.
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise TokenizerSpecError(
+            f"model config {config}: vocab_size must be a positive integer, got {vocab_size!r}"
+        )
+    return vocab_size
 
 
 class TokenizerRegistry:
@@ -131,7 +154,7 @@ def parse_vocab_size_specs(specs: Iterable[str]) -> dict[str, int]:
     sizes = {}
     for spec in specs:
         name, sep, value = spec.partition("=")
-        if not sep or not name or not value.isdigit():
-            raise TokenizerSpecError(f"expected MODEL=N, got {spec!r}")
+        if not sep or not name or not value.isdigit() or int(value) < 1:
+            raise TokenizerSpecError(f"expected MODEL=N with N >= 1, got {spec!r}")
         sizes[name] = int(value)
     return sizes

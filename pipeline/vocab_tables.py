@@ -12,7 +12,8 @@ random sequences, on toy and real tokenizers) to return exactly what `Tokenizer.
 without an FFI call. Two decoder families get one:
 
 - a top-level `ByteLevel` decoder (GPT-2, Qwen, Llama-3, OLMo): decode is lossy UTF-8 over the
-  concatenated bytes of the tokens, a pure function of the bytes (spec §4.3, §9.9);
+  concatenated bytes of the tokens, a pure function of the bytes (docs/decode-semantics.md,
+  'ByteLevel');
 - the Llama-2 SentencePiece chain `Sequence[Replace(▁→' '), ByteFallback, Fuse, Strip(' ',1,0)]`.
 
 Every other decoder (Metaspace, WordPiece, ...) goes through `Tokenizer.decode`/`decode_batch`.
@@ -23,8 +24,8 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from tokenizers import Tokenizer
 
@@ -93,7 +94,8 @@ class TokenizerProfile:
     beyond are unknown. `pure_decode[skip]` is the FFI-free decoder for that `skip_special_tokens`
     flag, or absent when the decoder family has none. `reuse_prefix` says the decoder is context
     independent (top-level ByteLevel), so the text of the last emission *is* the decode of its ids
-    and the second decode per emission can be skipped (spec §9.6, vLLM #46723).
+    and the second decode per emission can be skipped (docs/decode-semantics.md, 'ByteLevel';
+    vLLM #46723).
     """
 
     tokenizer: Tokenizer
@@ -112,6 +114,9 @@ class TokenizerProfile:
     # flag; Llama-2 chain only. The chain's output is the strict decode of the pieces'
     # concatenation whenever that is valid UTF-8.
     spm_table: dict[bool, list[bytes | None]]
+    # The decode strategy of each skip flag, built on first use by `pipeline.decode_stream` (a
+    # strategy holds only per-tokenizer tables, so every stream of the tokenizer shares it).
+    strategies: dict[bool, Any] = field(default_factory=dict)
 
 
 _PROFILES: dict[int, TokenizerProfile] = {}
@@ -192,7 +197,8 @@ def _byte_level_decoder(table: list[bytes | None]) -> Callable[[Sequence[int]], 
     """`decode` for a top-level ByteLevel decoder: lossy UTF-8 of the concatenated token bytes.
 
     Python's `bytes.decode("utf-8", "replace")` matches Rust's `String::from_utf8_lossy`
-    (spec §4.3); the tests re-check it on every tokenizer. Callers pass only known ids.
+    (docs/decode-semantics.md, 'ByteLevel'); the tests re-check it on every tokenizer. Callers
+    pass only known ids.
     """
     lookup = table.__getitem__
 

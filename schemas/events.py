@@ -3,7 +3,7 @@
 Inputs arrive on one topic keyed by request id, discriminated by `type`: a `prompt` (seq 0), then
 `tokens` chunks (seq 1, 2, ...), then a `finish`. One topic for all three keeps a request's events
 in partition order for free. Outputs are text deltas, one completion per request, filtered-id
-metric events and dead letters. `detok run` reads logged generations, one JSON line per request.
+records and dead letters. `detok run` reads logged generations, one JSON line per request.
 
 Models are strict (no "5" -> 5 coercion): a producer that sends strings for ids has a bug we want
 to see in the dead-letter topic, not paper over.
@@ -66,8 +66,12 @@ INPUT_EVENT_ADAPTER: TypeAdapter[PromptEvent | TokensEvent | FinishEvent] = Type
 class TextDelta(_Wire):
     """New text of one request, covering input events seq_start..seq_end (inclusive).
 
-    Consecutive deltas of a request cover consecutive seq ranges, so a reader can check that it
-    saw every delta exactly once, and dedup by (request_id, seq_end) under at-least-once.
+    `text_offset` is the number of characters (Unicode code points) of the request's text before
+    this delta. Under at-least-once, a replay after a crash may cut the seqs differently (deltas
+    for 1..4 and then 1..14), so seq ranges can overlap; the text is a function of the ids, so a
+    replayed delta agrees with the first on every character they share. A reader rebuilds the
+    text by offset: of each delta it keeps the characters past those it already has, so a
+    replay adds nothing twice and a longer one adds only its new tail.
     """
 
     type: Literal["delta"] = "delta"
@@ -75,6 +79,7 @@ class TextDelta(_Wire):
     model: ModelName
     seq_start: Annotated[int, Field(ge=0)]
     seq_end: Annotated[int, Field(ge=0)]
+    text_offset: Annotated[int, Field(ge=0)]
     text: str
     final: bool = False
 
@@ -94,8 +99,11 @@ class Completion(_Wire):
     error: str | None = None
 
 
-class FilteredIdsMetric(_Wire):
-    """Emitted for every request whose prompt had ids the tokenizer cannot map."""
+class FilteredIdsRecord(_Wire):
+    """Emitted for every request whose prompt had ids the tokenizer cannot map.
+
+    A record on the filtered-ids (`metrics`) topic, not a Prometheus metric: the name says so.
+    """
 
     type: Literal["filtered_prompt_ids"] = "filtered_prompt_ids"
     request_id: RequestId
@@ -103,6 +111,10 @@ class FilteredIdsMetric(_Wire):
     filtered_ids: list[TokenId]
     filtered_count: Annotated[int, Field(ge=0)]
     prompt_tokens: Annotated[int, Field(ge=0)]
+
+
+# The name before issue 10; the worker's room switches to `FilteredIdsRecord` at merge.
+FilteredIdsMetric = FilteredIdsRecord
 
 
 class DeadLetterReason(StrEnum):
@@ -162,7 +174,7 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "finish-event": FinishEvent,
     "text-delta": TextDelta,
     "completion": Completion,
-    "filtered-ids-metric": FilteredIdsMetric,
+    "filtered-ids-metric": FilteredIdsRecord,
     "dead-letter-record": DeadLetterRecord,
     "logged-generation": LoggedGeneration,
 }

@@ -2,8 +2,10 @@
 
 The pydantic models in `events.py` are the contract: the exported JSON Schema, the validation
 messages of dead letters. Decoding every input record through them cost 4-7 us per record in the
-worker, as much as the decode itself; these Structs mirror them field for field (same names,
-order, defaults and bounds) and decode the same bytes in 1-2 us. `validation.parse_event` decodes
+worker, as much as the decode itself; these Structs mirror them field for field (same field
+names, order, defaults and bounds) and decode the same bytes in 1-2 us. They are named `Parsed*`
+so that code can never confuse them with the models (a `type(x) is PromptEvent` check against the
+wrong class is silently always false). `validation.parse_event` decodes
 here first and asks pydantic only about records these refuse, so a refusal still carries
 pydantic's reason and message; `tests/unit/test_fast_events.py` checks on generated records that
 both accept and refuse exactly the same inputs.
@@ -27,7 +29,7 @@ class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Frozen like the models; `type` is the tag, written first like the models' first field."""
 
 
-class PromptEvent(_Event, kw_only=True, tag="prompt"):
+class ParsedPrompt(_Event, kw_only=True, tag="prompt"):
     """Opens a request: the prompt ids give the decoder its left context."""
 
     request_id: RequestId
@@ -39,7 +41,7 @@ class PromptEvent(_Event, kw_only=True, tag="prompt"):
     type = "prompt"
 
 
-class TokensEvent(_Event, kw_only=True, tag="tokens"):
+class ParsedTokens(_Event, kw_only=True, tag="tokens"):
     """A chunk of generated ids, in order: seq n follows seq n-1."""
 
     request_id: RequestId
@@ -49,7 +51,7 @@ class TokensEvent(_Event, kw_only=True, tag="tokens"):
     type = "tokens"
 
 
-class FinishEvent(_Event, kw_only=True, tag="finish"):
+class ParsedFinish(_Event, kw_only=True, tag="finish"):
     """Closes a request: the dangling tail is flushed and the completion published."""
 
     request_id: RequestId
@@ -59,26 +61,26 @@ class FinishEvent(_Event, kw_only=True, tag="finish"):
     type = "finish"
 
 
-Event = PromptEvent | TokensEvent | FinishEvent
+ParsedEvent = ParsedPrompt | ParsedTokens | ParsedFinish
 
-_DECODER = msgspec.json.Decoder(Event)
+_DECODER = msgspec.json.Decoder(ParsedEvent)
 
 
-def decode_event(raw: bytes | str) -> Event:
+def decode_event(raw: bytes | str) -> ParsedEvent:
     """One input record; raises `msgspec.DecodeError` (its `ValidationError` included)."""
     return _DECODER.decode(raw)
 
 
-def encode_event(event: Event) -> bytes:
+def encode_event(event: ParsedEvent) -> bytes:
     """The record a producer would send for this event (tag first, every field written)."""
     return encode_json(event)
 
 
-def event_to_json(event: Event) -> dict[str, Any]:
+def event_to_json(event: ParsedEvent) -> dict[str, Any]:
     """Plain JSON values, tag included (for snapshots of held events)."""
     return msgspec.to_builtins(event)
 
 
-def event_from_json(data: Any) -> Event:
+def event_from_json(data: Any) -> ParsedEvent:
     """The inverse of `event_to_json`, validated like a decoded record."""
-    return msgspec.convert(data, Event)
+    return msgspec.convert(data, ParsedEvent)

@@ -18,7 +18,6 @@ developer's own Kafka would use.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import os
@@ -33,7 +32,7 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka.admin import AdminClient
+from workers.kafka_clients import KafkaConnection, make_admin
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KAFKA_LOCAL_DIR = REPO_ROOT / "deploy" / "kafka-local"
@@ -42,8 +41,9 @@ DEFAULT_DATA_DIR = REPO_ROOT / ".kafka-local" / "broker"
 DEFAULT_PORT = 19092
 LOOPBACK = "127.0.0.1"
 
-# The broker on a 2-core machine: a fixed, small heap (the scripts' default of 1 GiB is sized for
-# real traffic), G1 with the pause target the Kafka scripts use, and the quiet log4j2 config.
+# A broker for tests and demos: a fixed, small heap (the scripts' default of 1 GiB is sized for
+# real traffic, and a test machine also runs the workers and the test session), G1 with the pause
+# target the Kafka scripts use, and the quiet log4j2 config.
 JVM_OPTIONS = (
     "-Xms512m",
     "-Xmx512m",
@@ -60,7 +60,7 @@ FORMAT_JVM_OPTIONS = (
     f"-Dlog4j2.configurationFile={KAFKA_LOCAL_DIR / 'log4j2.properties'}",
 )
 
-# Measured: the broker answers metadata about 3 s after launch on a 2-core machine. 120 s leaves
+# Measured: the broker answers metadata about 3 s after launch on an idle machine. 120 s leaves
 # room for a loaded CI machine (JIT and class loading of ~45 jars compete with the test run) while
 # still failing a broken start well within a CI job's patience.
 READY_TIMEOUT_S = 120.0
@@ -303,7 +303,7 @@ def answers_metadata(bootstrap_servers: str) -> bool:
     except OSError:
         return False
     try:
-        metadata = AdminClient({"bootstrap.servers": bootstrap_servers}).list_topics(
+        metadata = make_admin(KafkaConnection(bootstrap_servers)).list_topics(
             timeout=METADATA_TIMEOUT_S
         )
     except Exception:  # KafkaException while the broker is still coming up
@@ -410,68 +410,3 @@ def _log_tail(broker: RunningBroker) -> str:
         return "\n".join(_log(broker).read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
     except FileNotFoundError:
         return "(no log written)"
-
-
-# --- CLI -----------------------------------------------------------------------------------------
-
-
-def add_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "broker",
-        help="run a local single-node Apache Kafka broker (KRaft) from Maven Central jars",
-        description=(
-            f"A real Kafka broker on {LOOPBACK} for tests and the demo. Default port "
-            f"{DEFAULT_PORT} (controller: port+1); default data dir {DEFAULT_DATA_DIR}."
-        ),
-    )
-    actions = parser.add_subparsers(dest="broker_action", required=True, metavar="ACTION")
-
-    start = actions.add_parser(
-        "start",
-        help="fetch jars if needed, start, wait until ready; prints KAFKA_BOOTSTRAP_SERVERS",
-    )
-    start.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port")
-    start.set_defaults(func=_cli_start)
-
-    stop = actions.add_parser("stop", help="stop the broker (SIGTERM, then SIGKILL)")
-    stop.set_defaults(func=_cli_stop)
-
-    status = actions.add_parser("status", help="say whether the broker runs, and where")
-    status.set_defaults(func=_cli_status)
-
-    for action in (start, stop, status):
-        action.add_argument(
-            "--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="broker state directory"
-        )
-
-
-def _cli_start(args: argparse.Namespace) -> int:
-    try:
-        broker = start_broker(port=args.port, data_dir=args.data_dir)
-    except BrokerError as error:
-        print(f"detok broker start: {error}", file=sys.stderr)
-        return 1
-    print(f"Kafka broker pid {broker.pid}, data dir {broker.data_dir}")
-    # Last line of stdout, so `eval "$(detok broker start | tail -1)"` or `export $(...)` works.
-    print(f"KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
-    return 0
-
-
-def _cli_stop(args: argparse.Namespace) -> int:
-    stopped = stop_broker(args.data_dir)
-    if stopped is None:
-        print(f"no Kafka broker was running for {args.data_dir.resolve()}")
-    else:
-        print(f"stopped Kafka broker pid {stopped.pid} on {stopped.bootstrap_servers}")
-    return 0
-
-
-def _cli_status(args: argparse.Namespace) -> int:
-    broker = broker_status(args.data_dir)
-    if broker is None:
-        print(f"not running (data dir {args.data_dir.resolve()})")
-        return 1
-    state = "ready" if answers_metadata(broker.bootstrap_servers) else "starting or unresponsive"
-    print(f"running ({state}): pid {broker.pid}, data dir {broker.data_dir}")
-    print(f"KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
-    return 0

@@ -8,15 +8,26 @@ keeps the history of its first failure and gains an incremented attempt count.
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
+import uuid
+from collections.abc import Iterator
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from pipeline.processor import DeadLetter
-from workers.kafka_options import add_bootstrap_servers
-from workers.topics import TopicNames
+from workers.kafka_clients import (
+    METADATA_TIMEOUT_S,
+    DeliveryTracker,
+    KafkaConnection,
+    as_connection,
+    make_admin,
+    make_consumer,
+    make_producer,
+    sized_for,
+    topic_partitions,
+)
+from workers.topic_names import TopicNames
+from workers.topics import message_limit
 
 CONNECT = "__connect.errors."
 DETOK = "__detok.errors."
@@ -77,86 +88,113 @@ def dead_letter_key(letter: DeadLetter) -> bytes | None:
     return letter.request_id.encode() if letter.request_id else None
 
 
+# How long one redriven record may wait for its acknowledgement before it counts as undelivered.
+DELIVERY_TIMEOUT_S = 60.0
+
+
 def redrive_headers(headers: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
     """Strip this failure's error headers, keep the rest, count the attempt."""
     attempt = 0
     kept = []
     for key, value in headers:
         if key == ATTEMPT_HEADER:
-            attempt = int(value or b"0")
+            attempt = _attempt(value)
         elif not key.startswith((CONNECT, DETOK)):
             kept.append((key, value))
     return kept + [(ATTEMPT_HEADER, str(attempt + 1).encode())]
 
 
+def _attempt(value: bytes | None) -> int:
+    """The attempt count a dead letter carries; anything but a non-negative integer counts as 0.
+
+    The header comes from whoever produced the record: a garbled or forged value must not stop a
+    redrive halfway (which used to lose the record already queued).
+    """
+    try:
+        attempt = int((value or b"0").decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return 0
+    return max(attempt, 0)
+
+
 def redrive(
-    bootstrap_servers: str,
+    connection: KafkaConnection | str,
     names: TopicNames,
     *,
     reason: str | None = None,
     idle_timeout_s: float = 5.0,
 ) -> int:
-    """Re-produce every dead letter (optionally of one reason) to the input topic, in order."""
-    consumer = Consumer(
+    """Re-produce the dead letters present now (optionally of one reason) to the input topic, in
+    order; the number delivered.
+
+    Only records below each partition's end offset at the start are redriven: running workers
+    dead-letter a redriven record again if it still fails, and reading on would send it round
+    forever. Raises KafkaUnavailable or UnknownTopic before reading anything, and
+    UndeliveredRecords (after the whole range) if any record was not delivered.
+    """
+    connection = as_connection(connection)
+    consumer = make_consumer(
+        connection,
         {
-            "bootstrap.servers": bootstrap_servers,
-            "group.id": f"detok-redrive-{os.getpid()}-{time.time_ns()}",
+            "group.id": f"detok-redrive-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
-        }
+        },
     )
-    producer = Producer(
-        {
-            "bootstrap.servers": bootstrap_servers,
-            "enable.idempotence": True,
-            "partitioner": "murmur2_random",
-        }
-    )
-    metadata = consumer.list_topics(names.dead_letters, timeout=30)
-    partitions = metadata.topics[names.dead_letters].partitions
-    consumer.assign([TopicPartition(names.dead_letters, p, 0) for p in partitions])
-    at_end: set[int] = set()
-    sent = 0
+    tracker = DeliveryTracker()
+    try:
+        topic_partitions(consumer, names.input, METADATA_TIMEOUT_S)
+        limit = message_limit(make_admin(connection), names.input, METADATA_TIMEOUT_S)
+        producer = make_producer(
+            connection, {**sized_for(limit), "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000)}
+        )
+        for message in _records_present(consumer, names.dead_letters, idle_timeout_s):
+            headers = message.headers() or []
+            if reason is not None and (DETOK + "reason", reason.encode()) not in headers:
+                continue
+            tracker.produce(
+                producer, names.input, message.value(), key=message.key(),
+                headers=redrive_headers(headers),
+            )  # fmt: skip
+            producer.poll(0)
+    finally:
+        consumer.close()
+    return tracker.settle(producer, DELIVERY_TIMEOUT_S + 5).delivered
+
+
+def _records_present(consumer: Consumer, topic: str, idle_timeout_s: float) -> Iterator[Message]:
+    """The records of `topic` below each partition's end offset as of now, in partition order.
+
+    A partition is done at its captured end, or at its end of partition (under read_committed
+    that is the last stable offset, which may lie below the captured end while a transaction is
+    open). Nothing arriving for `idle_timeout_s` also ends the read.
+    """
+    ends = {}
+    for partition in topic_partitions(consumer, topic, METADATA_TIMEOUT_S):
+        low, high = consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), METADATA_TIMEOUT_S, cached=False
+        )
+        if high > low:
+            ends[partition] = (low, high)
+    consumer.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
+    pending = set(ends)
     last_message = time.monotonic()
-    while len(at_end) < len(partitions) and time.monotonic() - last_message < idle_timeout_s:
+    while pending and time.monotonic() - last_message < idle_timeout_s:
         message = consumer.poll(0.5)
         if message is None:
             continue
-        if message.error():
-            if message.error().code() == KafkaError._PARTITION_EOF:
-                at_end.add(message.partition())
-                continue
-            raise RuntimeError(f"dead-letter read failed: {message.error()}")
-        last_message = time.monotonic()
-        headers = message.headers() or []
-        if reason is not None and (DETOK + "reason", reason.encode()) not in headers:
+        error = message.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                pending.discard(message.partition())
+            elif error.fatal():
+                raise KafkaException(error)
             continue
-        producer.produce(
-            names.input, message.value(), message.key(), headers=redrive_headers(headers)
-        )
-        producer.poll(0)
-        sent += 1
-    producer.flush(30)
-    consumer.close()
-    return sent
-
-
-def add_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("dlq", help="inspect and redrive dead letters")
-    actions = parser.add_subparsers(dest="dlq_action", required=True, metavar="ACTION")
-    redrive_parser = actions.add_parser(
-        "redrive", help="re-produce dead letters to the input topic (original key and value)"
-    )
-    add_bootstrap_servers(redrive_parser)
-    redrive_parser.add_argument("--input-topic", default=TopicNames().input)
-    redrive_parser.add_argument("--dead-letter-topic", default=TopicNames().dead_letters)
-    redrive_parser.add_argument("--reason", help="only dead letters of this reason")
-    redrive_parser.set_defaults(func=_cli_redrive)
-
-
-def _cli_redrive(args: argparse.Namespace) -> int:
-    names = TopicNames(input=args.input_topic, dead_letters=args.dead_letter_topic)
-    sent = redrive(args.bootstrap_servers, names, reason=args.reason)
-    print(f"redriven {sent} dead letters to {names.input}")
-    return 0
+        last_message = time.monotonic()
+        partition, offset = message.partition(), message.offset()
+        end = ends[partition][1]
+        if offset + 1 >= end:
+            pending.discard(partition)
+        if offset < end:
+            yield message

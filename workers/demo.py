@@ -5,7 +5,7 @@ One command a new user can run after `make test`:
 1. a Kafka broker (the local one of `detok broker` unless `--bootstrap-servers` is given);
 2. fresh topics and a fresh group named after this run, so reruns never see old records;
 3. a sample of logged generations over the real gpt2 and qwen2 tokenizers, generated at run time
-   from `bench/workload.py` (deterministic: the same file every run), plus the cases operators
+   by `workers.sample_workload` (deterministic: the same file every run), plus the cases operators
    meet: qwen2 prompt ids outside the tokenizer vocabulary (filtered and counted), generated ids
    outside it (strict-decode failures), an unknown model and a malformed line (dead letters);
 4. `detok run` on that file (the oracle), then `detok replay` into Kafka, two `detok worker`
@@ -18,10 +18,7 @@ Exit status: 0 when every check passes, 1 when one fails, 2 when the demo cannot
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
-import os
 import random
 import signal
 import socket
@@ -33,17 +30,19 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from workers import broker
+from workers.commands.options import tokenizer_arguments, topic_arguments
+from workers.kafka_clients import KafkaConnection, make_admin
 from workers.metrics import DEFAULT_METRICS_PORT
 from workers.replay import collect, replay, write_completions
-from workers.topics import TopicNames, delete_topics, ensure_topics
+from workers.sample_workload import generations
+from workers.topic_names import TopicNames
+from workers.topics import delete_topics, ensure_topics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SHARED_DIR = REPO_ROOT.parent / "shared"
@@ -57,8 +56,8 @@ QWEN_TOKENIZER_VOCAB = 151_646
 WORKERS = 2
 PARTITIONS = 4
 # Every wait below polls for an event; the bound only turns a hang into a failed demo. A worker
-# loads its tokenizers and joins the group in seconds, and the whole sample decodes in well
-# under a minute on a 2-core machine, so 90 s means something is broken.
+# loads its tokenizers and joins the group in seconds, and the whole default sample decodes in
+# well under a minute even on a small, shared machine, so 90 s means something is broken.
 WAIT_BOUND_S = 90.0
 POLL_INTERVAL_S = 0.25
 # A worker that was sent SIGTERM commits and leaves the group within a commit round trip.
@@ -70,6 +69,20 @@ DESCRIBE_TIMEOUT_S = 5.0
 
 class DemoError(Exception):
     """The demo cannot run (missing tokenizer, a worker died, a bound passed)."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What `detok demo` was asked for (see its --help)."""
+
+    bootstrap_servers: str | None  # None: start or reuse the local `detok broker`
+    shared_dir: Path
+    tokenizer_overrides: list[str]  # MODEL=PATH for gpt2 or qwen2
+    model_vocab_sizes: dict[str, int]  # over the sample's own (qwen2's embedding size)
+    requests: int
+    metrics_port: int | None
+    output_dir: Path
+    keep_running: bool
 
 
 @dataclass(frozen=True)
@@ -142,30 +155,17 @@ def tokenizer_paths(shared_dir: Path, overrides: list[str]) -> dict[str, Path]:
     return paths
 
 
-def _load_workload() -> ModuleType:
-    """bench/workload.py, by path: `bench` is a repo folder, not an installed package, and the
-    demo (like the local broker) runs from a checkout."""
-    path = REPO_ROOT / "bench" / "workload.py"
-    spec = importlib.util.spec_from_file_location("detok_bench_workload", path)
-    if spec is None or spec.loader is None:
-        raise DemoError(f"cannot load the workload generator {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def write_sample(path: Path, tokenizers: dict[str, Path], requests_per_model: int) -> Sample:
     """Generate the demo's logged generations (deterministically) into `path`."""
-    workload = _load_workload()
     rng = random.Random(20240501)
     per_model = {}
     for seed, model in enumerate(MODELS, start=1):
-        per_model[model] = workload.generations(
+        per_model[model] = generations(
             Tokenizer.from_file(str(tokenizers[model])),
             model=model,
             requests=requests_per_model,
             # Shorter than the benchmark's generations: a few thousand requests then decode in
-            # seconds, and the demo stays well under two minutes on two cores.
+            # seconds, and the demo stays well under two minutes on a small machine.
             prompt_tokens=(16, 256),
             output_tokens=(16, 256),
             seed=seed,
@@ -206,16 +206,14 @@ def _unmapped_qwen_id(rng: random.Random) -> int:
     return rng.randrange(QWEN_TOKENIZER_VOCAB, QWEN_MODEL_VOCAB)
 
 
-def tokenizer_args(tokenizers: dict[str, Path]) -> list[str]:
-    args = []
-    for model, path in tokenizers.items():
-        args += ["--tokenizer", f"{model}={path}"]
-    return [*args, "--model-vocab-size", f"qwen2={QWEN_MODEL_VOCAB}"]
+def tokenizer_args(tokenizers: dict[str, Path], model_vocab_sizes: dict[str, int]) -> list[str]:
+    """The tokenizer flags of `detok run` and `detok worker` for the sample."""
+    return tokenizer_arguments(tokenizers, {"qwen2": QWEN_MODEL_VOCAB, **model_vocab_sizes})
 
 
-def run_offline(sample: Path, tokenizers: dict[str, Path], output: Path) -> dict[str, dict]:
+def run_offline(sample: Path, tokenizer_flags: list[str], output: Path) -> dict[str, dict]:
     """`detok run` on the sample, as a user would run it: the oracle."""
-    command = [sys.executable, "-m", "workers.cli", "run", *tokenizer_args(tokenizers),
+    command = [sys.executable, "-m", "workers.cli", "run", *tokenizer_flags,
                "--input", str(sample), "--output", str(output)]  # fmt: skip
     finished = subprocess.run(command, capture_output=True, text=True, check=False)
     if finished.returncode != 0:
@@ -255,7 +253,7 @@ def start_workers(
     bootstrap: str,
     names: TopicNames,
     group: str,
-    tokenizers: dict[str, Path],
+    tokenizer_flags: list[str],
     ports: list[int],
     log_dir: Path,
 ) -> list[WorkerProcess]:
@@ -263,9 +261,6 @@ def start_workers(
     for index, port in enumerate(ports, start=1):
         name = f"worker-{index}"
         log_path = log_dir / f"{name}.log"
-        topic_args = []
-        for role, topic in names.model_dump().items():
-            topic_args += [f"--{role.replace('_', '-')}-topic", topic]
         command = [
             sys.executable, "-m", "workers.cli", "worker",
             "--bootstrap-servers", bootstrap,
@@ -273,8 +268,8 @@ def start_workers(
             "--instance-id", f"{group}-{name}",
             "--metrics-port", str(port),
             "--metrics-host", broker.LOOPBACK,
-            *tokenizer_args(tokenizers),
-            *topic_args,
+            *tokenizer_flags,
+            *topic_arguments(names),
         ]  # fmt: skip
         with log_path.open("w") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -285,7 +280,7 @@ def start_workers(
 def wait_for_assignment(bootstrap: str, group: str, workers: list[WorkerProcess]) -> None:
     """Until every worker owns input partitions: replaying before that would process records
     during the join rebalance, which is correct but makes the run less repeatable."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = make_admin(KafkaConnection(bootstrap))
     deadline = time.monotonic() + WAIT_BOUND_S
     while True:
         _fail_on_dead(workers)
@@ -379,51 +374,11 @@ def wait_all_consumed(workers: list[WorkerProcess], records: int) -> list[dict]:
 # -- the command -------------------------------------------------------------------------------
 
 
-def add_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="run the whole pipeline on a sample (broker, 2 workers, metrics) and check it",
-        description="Start the local broker (unless --bootstrap-servers), replay a generated "
-        "sample of logged generations through two workers, and check the completions against "
-        "`detok run`. Exit 0 only if every check passes.",
-    )
-    parser.add_argument(
-        "--bootstrap-servers",
-        default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
-        help="an existing Kafka cluster (default: start or reuse the local `detok broker`)",
-    )
-    parser.add_argument(
-        "--shared-dir",
-        type=Path,
-        default=Path(os.environ.get("DETOK_SHARED_DIR", DEFAULT_SHARED_DIR)),
-        help="folder holding tokenizers/{gpt2,qwen2-from-tiktoken}/tokenizer.json",
-    )
-    parser.add_argument(
-        "--tokenizer", action="append", default=[], metavar="MODEL=PATH",
-        help="override one of the sample's tokenizers (gpt2 or qwen2)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--requests", type=int, default=1500, metavar="N", help="generations per model"
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        metavar="PORT",
-        help=f"first worker's metrics port, the next one's +1 (default {DEFAULT_METRICS_PORT} "
-        "if free, else any free ports)",
-    )
-    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
-    parser.add_argument(
-        "--keep-running",
-        action="store_true",
-        help="after the checks, keep the workers (and their metrics) up until Ctrl-C",
-    )
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(options: DemoOptions) -> int:
+    """The demo's exit status: 0 when every check passes, 1 when one fails, 2 when it cannot
+    start."""
     try:
-        report = demo(args)
+        report = demo(options)
     except DemoError as error:
         print(f"detok demo: {error}", file=sys.stderr)
         return 2
@@ -434,10 +389,11 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-def demo(args: argparse.Namespace) -> Report:
+def demo(args: DemoOptions) -> Report:
     if args.requests < 1:
         raise DemoError("--requests must be at least 1")
-    tokenizers = tokenizer_paths(args.shared_dir, args.tokenizer)
+    tokenizers = tokenizer_paths(args.shared_dir, args.tokenizer_overrides)
+    tokenizer_flags = tokenizer_args(tokenizers, args.model_vocab_sizes)
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     out = args.output_dir / run_id
     out.mkdir(parents=True, exist_ok=True)
@@ -446,7 +402,7 @@ def demo(args: argparse.Namespace) -> Report:
     sample = write_sample(out / "generations.jsonl", tokenizers, args.requests)
     _say(f"sample: {sample.path} ({sum(sample.requests.values())} requests)")
     offline_started = time.monotonic()
-    expected = run_offline(sample.path, tokenizers, out / "completions.offline.jsonl")
+    expected = run_offline(sample.path, tokenizer_flags, out / "completions.offline.jsonl")
     offline_s = time.monotonic() - offline_started
     _say(f"detok run: {len(expected)} completions in {offline_s:.1f} s")
 
@@ -456,14 +412,14 @@ def demo(args: argparse.Namespace) -> Report:
     ensure_topics(bootstrap, names, PARTITIONS)
     _say(f"broker {bootstrap}; topics {names.input} and 5 more; group {group}")
     ports = metrics_ports(args.metrics_port, WORKERS)
-    workers = start_workers(bootstrap, names, group, tokenizers, ports, out)
+    workers = start_workers(bootstrap, names, group, tokenizer_flags, ports, out)
     try:
         report = _run_pipeline(bootstrap, names, group, workers, sample, expected, offline_s)
         if args.keep_running and report.passed:
             _serve_until_interrupted(workers)
     finally:
         codes = stop_workers(workers)
-        for topic in delete_topics(bootstrap, list(names.model_dump().values())):
+        for topic in delete_topics(bootstrap, list(names.all)):
             _say(f"could not delete topic {topic}")
     report.check(
         "both workers stopped cleanly on SIGTERM",

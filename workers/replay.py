@@ -4,11 +4,14 @@ Replay cuts every logged generation into the events an inference server would ha
 cut as `detok run`), interleaves requests the way concurrent generations interleave, and produces
 them keyed by request id with Java's murmur2 partitioner. Collect reads the completions topic
 (read_committed) into the JSONL format of `detok run`, so the two can be compared line for line.
+
+Both check the cluster first (KafkaUnavailable, UnknownTopic within METADATA_TIMEOUT_S), and replay
+counts every delivery: it raises UndeliveredRecords, after sending everything it could, when a
+record was refused (one over the topic's `max.message.bytes`, say) or never acknowledged.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import uuid
@@ -17,19 +20,35 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 from tqdm import tqdm
 
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from schemas.events import Completion, LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import Rejection, parse_model
-from workers.kafka_options import add_bootstrap_servers
-from workers.topics import TopicNames
+from workers.kafka_clients import (
+    METADATA_TIMEOUT_S,
+    DeliveryTracker,
+    KafkaConnection,
+    as_connection,
+    make_admin,
+    make_consumer,
+    make_producer,
+    sized_for,
+    topic_partitions,
+)
+from workers.topics import message_limit
 
 # Requests in flight at once while replaying; like `detok run`'s window, so per-partition event
 # order looks like a server streaming this many generations concurrently.
 REPLAY_WINDOW = 256
+# How long one record may wait for its acknowledgement (librdkafka retries within it) before it
+# counts as not delivered; a broker that goes away mid-replay ends the command within this bound.
+DELIVERY_TIMEOUT_S = 60.0
+# A 20 ms linger fills batches of many small events; lz4 halves the bytes of the JSON id lists at
+# little CPU cost.
+REPLAY_PRODUCER_SETTINGS = {"linger.ms": 20, "compression.type": "lz4"}
 
 
 @dataclass
@@ -68,7 +87,7 @@ def _interleave(
 
 
 def replay(
-    bootstrap_servers: str,
+    connection: KafkaConnection | str,
     input_path: Path,
     topic: str,
     *,
@@ -76,27 +95,32 @@ def replay(
     rate: float | None = None,
     progress: bool = True,
 ) -> ReplayTotals:
-    producer = Producer(
+    """Produce the events of every line of `input_path` to `topic`.
+
+    The producer's record limit is the topic's `max.message.bytes`, so a record the broker would
+    refuse is refused alone, at once, instead of failing every record batched with it; it is
+    counted, and the rest goes on. Raises UndeliveredRecords (after the whole file) if anything
+    was not delivered, KafkaUnavailable or UnknownTopic before producing anything.
+    """
+    connection = as_connection(connection)
+    admin = make_admin(connection)
+    topic_partitions(admin, topic, METADATA_TIMEOUT_S)
+    limit = message_limit(admin, topic, METADATA_TIMEOUT_S)
+    producer = make_producer(
+        connection,
         {
-            "bootstrap.servers": bootstrap_servers,
-            "enable.idempotence": True,
-            "partitioner": "murmur2_random",
-            "linger.ms": 20,
-            "batch.size": 1_000_000,
-            "compression.type": "lz4",
-        }
+            **REPLAY_PRODUCER_SETTINGS,
+            **sized_for(limit),
+            "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000),
+        },
     )
+    tracker = DeliveryTracker()
     totals = ReplayTotals()
     started = time.monotonic()
     with input_path.open("rb") as source:
         bar = tqdm(desc="replay", unit="ev", file=sys.stderr, disable=not progress)
         for key, value in replay_events(iter(source), chunk_size):
-            while True:
-                try:
-                    producer.produce(topic, value, key)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
+            tracker.produce(producer, topic, value, key=key)
             totals.events += 1
             if key is None:
                 totals.invalid_lines += 1
@@ -112,105 +136,51 @@ def replay(
                 bar.update(1000)
         bar.update(totals.events % 1000)
         bar.close()
-    remaining = producer.flush(60)
-    if remaining:
-        raise RuntimeError(f"{remaining} events not delivered")
+    # Past DELIVERY_TIMEOUT_S every record has its report; the margin covers the last callbacks.
+    tracker.settle(producer, DELIVERY_TIMEOUT_S + 5)
     return totals
 
 
 def collect(
-    bootstrap_servers: str,
+    connection: KafkaConnection | str,
     topic: str,
     *,
     expect: int | None = None,
     idle_timeout_s: float = 10.0,
 ) -> dict[str, Completion]:
-    """Latest completion per request id, read_committed, until `expect` or idle."""
-    consumer = Consumer(
+    """Latest completion per request id, read_committed, until `expect` or idle.
+
+    Raises KafkaUnavailable or UnknownTopic (within METADATA_TIMEOUT_S) before reading, and
+    KafkaException on a fatal client error; transient errors are librdkafka's to retry.
+    """
+    consumer = make_consumer(
+        as_connection(connection),
         {
-            "bootstrap.servers": bootstrap_servers,
             "group.id": f"detok-collect-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
-        }
+        },
     )
-    metadata = consumer.list_topics(topic, timeout=30)
-    partitions = metadata.topics[topic].partitions
-    consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
     completions: dict[str, Completion] = {}
-    last_new = time.monotonic()
     try:
+        partitions = topic_partitions(consumer, topic, METADATA_TIMEOUT_S)
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        last_new = time.monotonic()
         while time.monotonic() - last_new < idle_timeout_s:
             if expect is not None and len(completions) >= expect:
                 break
             for message in consumer.consume(1000, 0.2):
-                if message.error():
-                    if message.error().code() == KafkaError._PARTITION_EOF:
-                        continue
-                    raise RuntimeError(f"collect failed: {message.error()}")
+                error = message.error()
+                if error is not None:
+                    if error.fatal():
+                        raise KafkaException(error)
+                    continue
                 completion = Completion.model_validate_json(message.value())
                 completions[completion.request_id] = completion
                 last_new = time.monotonic()
     finally:
         consumer.close()
     return completions
-
-
-def add_command(subparsers: argparse._SubParsersAction) -> None:
-    replay_parser = subparsers.add_parser(
-        "replay", help="produce logged generations (detok run input) as events to the input topic"
-    )
-    add_bootstrap_servers(replay_parser)
-    replay_parser.add_argument("--input", required=True, type=Path)
-    replay_parser.add_argument("--topic", default=TopicNames().input)
-    replay_parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
-    replay_parser.add_argument(
-        "--rate", type=float, help="events per second (default: as fast as possible)"
-    )
-    replay_parser.set_defaults(func=_cli_replay)
-
-    collect_parser = subparsers.add_parser(
-        "collect", help="read completions into JSONL (the format of detok run), by request id"
-    )
-    add_bootstrap_servers(collect_parser)
-    collect_parser.add_argument("--output", required=True, type=Path)
-    collect_parser.add_argument("--topic", default=TopicNames().completions)
-    collect_parser.add_argument("--expect", type=int, help="stop after this many completions")
-    collect_parser.add_argument(
-        "--timeout",
-        type=float,
-        default=10.0,
-        help="stop after this many seconds without a new completion",
-    )
-    collect_parser.set_defaults(func=_cli_collect)
-
-
-def _cli_replay(args: argparse.Namespace) -> int:
-    totals = replay(
-        args.bootstrap_servers,
-        args.input,
-        args.topic,
-        chunk_size=args.chunk_size,
-        rate=args.rate,
-        progress=sys.stderr.isatty(),
-    )
-    print(
-        f"replayed {totals.requests} requests as {totals.events} events "
-        f"({totals.invalid_lines} invalid lines passed through) to {args.topic}"
-    )
-    return 0
-
-
-def _cli_collect(args: argparse.Namespace) -> int:
-    completions = collect(
-        args.bootstrap_servers, args.topic, expect=args.expect, idle_timeout_s=args.timeout
-    )
-    write_completions(args.output, completions)
-    print(f"collected {len(completions)} completions -> {args.output}")
-    if args.expect is not None and len(completions) < args.expect:
-        print(f"detok collect: expected {args.expect}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def write_completions(path: Path, completions: dict[str, Completion]) -> None:

@@ -1,4 +1,4 @@
-"""The pipeline's Kafka topics: their names, their required shape, and `detok topics ensure`.
+"""The pipeline's Kafka topics: their required shape, created or checked by `detok topics ensure`.
 
 Why explicit: the local broker has `auto.create.topics.enable=false`, and a production cluster
 usually does too, so every topic is created here with the shape the pipeline relies on:
@@ -9,69 +9,75 @@ usually does too, so every topic is created here with the shape the pipeline rel
   written to changelog partition p, so a differing count would restore the wrong state after a
   rebalance. Such a topic is refused, never "fixed": Kafka cannot shrink a topic, and growing one
   would re-map existing keys.
+- Record size limits (`max.message.bytes`), so that no output the worker writes is refused by the
+  broker (a refused output would otherwise stop a partition):
+  - the input topic keeps whatever limit it has (the broker's `message.max.bytes`, 1,048,588
+    bytes by default, when `ensure` creates it): what producers may send is the operator's call;
+  - deltas, completions, metrics and the changelog get OUTPUT_MAX_MESSAGE_BYTES (8 MiB). A
+    completion and a changelog snapshot each carry a request's whole text, so their limit is the
+    longest text detok can publish; 8 MiB holds a million-token generation at four bytes per token
+    with room for JSON escaping, far beyond today's context windows, while still bounding what
+    one record costs a reader's memory. The worker reads these limits at start and fails a
+    longer request with `output_too_large` instead of producing what the broker would refuse.
+  - the dead-letter topic gets the larger of the input's and the changelog's limit plus
+    DEAD_LETTER_HEADER_ALLOWANCE (64 KiB): a dead letter is an input record (or, for a failed
+    restore, a changelog record) with its original bytes and headers, plus the error headers
+    (a message capped at 4 KiB, the source topic name of at most 249 characters, a request id of
+    at most 512, and a few short fields), so any record either topic accepts fits.
+  An existing topic whose limit is lower is raised to these values (raising a limit never breaks
+  a reader or a writer); a higher limit is left as it is.
 
 `ensure_topics` is idempotent: it creates what is missing and validates what exists.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Annotated
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
-from workers.kafka_options import add_bootstrap_servers
+from workers.kafka_clients import (
+    METADATA_TIMEOUT_S,
+    KafkaConnection,
+    as_connection,
+    cluster_metadata,
+    make_admin,
+)
+from workers.topic_names import TopicNames
 
-# Kafka's own topic-name rule: legal characters, at most 249 of them.
-TopicName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9._-]{1,249}$")]
+__all__ = [
+    "DEFAULT_PARTITIONS",
+    "EnsuredTopics",
+    "TopicConfigurationMismatch",
+    "TopicNames",
+    "delete_topics",
+    "ensure_topics",
+    "message_limit",
+    "required_message_limits",
+]
+
 # Admin requests on a healthy cluster take milliseconds; 30 s covers a broker that is still
 # electing leaders for freshly created topics, without letting the CLI hang forever.
 ADMIN_TIMEOUT_S = 30.0
 DEFAULT_PARTITIONS = 4
 COMPACTED_CONFIG = {"cleanup.policy": "compact"}
-
-
-class TopicNames(BaseModel):
-    """The six topic names of one pipeline deployment."""
-
-    model_config = ConfigDict(frozen=True)
-
-    input: TopicName = "detok.tokens"
-    deltas: TopicName = "detok.deltas"
-    completions: TopicName = "detok.completions"
-    metrics: TopicName = "detok.metrics"
-    dead_letters: TopicName = "detok.dead-letters"
-    changelog: TopicName = "detok.state-changelog"
-
-    @model_validator(mode="after")
-    def _names_are_distinct(self) -> TopicNames:
-        # Two roles on one topic (say changelog == input) would feed state records to the
-        # decoder; refuse such a configuration before anything is created.
-        names = list(self.model_dump().values())
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"each topic role needs its own topic; shared: {duplicates}")
-        return self
-
-    @classmethod
-    def with_prefix(cls, prefix: str) -> TopicNames:
-        """One deployment's own set (`PREFIX.tokens`, ...), e.g. a demo run's or a test's."""
-        return cls(
-            input=f"{prefix}.tokens",
-            deltas=f"{prefix}.deltas",
-            completions=f"{prefix}.completions",
-            metrics=f"{prefix}.metrics",
-            dead_letters=f"{prefix}.dead-letters",
-            changelog=f"{prefix}.state-changelog",
-        )
-
-    @property
-    def compacted(self) -> tuple[str, ...]:
-        return (self.completions, self.changelog)
+MAX_MESSAGE_BYTES = "max.message.bytes"
+# See the module docstring for why each value.
+OUTPUT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+DEAD_LETTER_HEADER_ALLOWANCE = 64 * 1024
+# How often `ensure` looks again for configs still on their way to the brokers: they arrive in
+# milliseconds, so a short pause costs nothing.
+POLL_INTERVAL_S = 0.1
 
 
 class TopicConfigurationMismatch(Exception):
@@ -80,64 +86,85 @@ class TopicConfigurationMismatch(Exception):
 
 @dataclass(frozen=True)
 class EnsuredTopics:
-    """What `ensure_topics` did: topics it created, and existing topics it validated."""
+    """What `ensure_topics` did: topics it created, existing topics it validated, and existing
+    topics whose `max.message.bytes` it raised."""
 
     created: tuple[str, ...]
     validated: tuple[str, ...]
+    raised_limits: tuple[str, ...] = ()
+
+
+def required_message_limits(names: TopicNames, input_limit: int) -> dict[str, int]:
+    """The `max.message.bytes` every topic but the input needs, given the input's limit."""
+    outputs = (names.deltas, names.completions, names.metrics, names.changelog)
+    limits = dict.fromkeys(outputs, OUTPUT_MAX_MESSAGE_BYTES)
+    limits[names.dead_letters] = (
+        max(input_limit, OUTPUT_MAX_MESSAGE_BYTES) + DEAD_LETTER_HEADER_ALLOWANCE
+    )
+    return limits
+
+
+def message_limit(admin: AdminClient, topic: str, timeout_s: float = ADMIN_TIMEOUT_S) -> int:
+    """The `max.message.bytes` a topic accepts (its own setting, else the broker's)."""
+    return int(_configs(admin, [topic], timeout_s)[topic][MAX_MESSAGE_BYTES])
 
 
 def ensure_topics(
-    bootstrap_servers: str,
+    connection: KafkaConnection | str,
     names: TopicNames,
     partitions: int = DEFAULT_PARTITIONS,
     replication_factor: int = 1,
 ) -> EnsuredTopics:
-    """Create the pipeline's missing topics and validate the existing ones.
+    """Create the pipeline's missing topics, validate the existing ones, raise too-low limits.
 
     Every topic gets `partitions` partitions; the changelog must match the input's actual count.
     Raises TopicConfigurationMismatch, listing every problem at once, if an existing topic has a
-    different partition count or a compacted topic lacks `cleanup.policy=compact`.
+    different partition count or a compacted topic lacks `cleanup.policy=compact`;
+    KafkaUnavailable if no broker answers.
     """
     if partitions < 1 or replication_factor < 1:
         raise ValueError("partitions and replication_factor must be at least 1")
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
-    wanted = list(names.model_dump().values())
+    admin = make_admin(as_connection(connection))
+    wanted = list(names.all)
     existing = _partition_counts(admin, wanted)
     # Validate before creating, so a refused run leaves the cluster as it found it.
     _validate(admin, names, partitions, existing)
     missing = [name for name in wanted if name not in existing]
+    # The input first: the dead-letter topic's limit follows from the input's actual one.
+    if names.input in missing:
+        _create(admin, {names.input: {}}, partitions, replication_factor)
+    limits = required_message_limits(names, message_limit(admin, names.input))
+    to_create = {
+        name: {
+            **(COMPACTED_CONFIG if name in names.compacted else {}),
+            MAX_MESSAGE_BYTES: str(limits[name]),
+        }
+        for name in missing
+        if name != names.input
+    }
+    _create(admin, to_create, partitions, replication_factor)
     if missing:
-        new_topics = [
-            NewTopic(
-                name,
-                num_partitions=partitions,
-                replication_factor=replication_factor,
-                config=COMPACTED_CONFIG if name in names.compacted else {},
-            )
-            for name in missing
-        ]
-        futures = admin.create_topics(new_topics, operation_timeout=ADMIN_TIMEOUT_S)
-        for future in futures.values():
-            try:
-                future.result(timeout=ADMIN_TIMEOUT_S)
-            except KafkaException as error:
-                # A concurrent `ensure` created it first; the re-validation below checks it.
-                if error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise
+        # Another `ensure` (or an operator) may have created some of them meanwhile.
         _validate(admin, names, partitions, _partition_counts(admin, wanted))
+    raised = _raise_limits(admin, limits)
+    _await_limits(admin, limits)
     return EnsuredTopics(
-        created=tuple(missing), validated=tuple(name for name in wanted if name in existing)
+        created=tuple(missing),
+        validated=tuple(name for name in wanted if name in existing),
+        raised_limits=raised,
     )
 
 
-def delete_topics(bootstrap_servers: str, topics: list[str], timeout_s: float = 60.0) -> list[str]:
+def delete_topics(
+    connection: KafkaConnection | str, topics: list[str], timeout_s: float = 60.0
+) -> list[str]:
     """Delete throwaway topics (a demo's, a benchmark run's); returns what could not be deleted.
 
     Runs that make fresh topics must drop them: a local broker left with thousands of partitions
     spends its CPU on their background upkeep, which showed up as stalled transaction commits.
     Never raises: a leftover topic only costs disk, so callers report it and go on.
     """
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    admin = make_admin(as_connection(connection))
     failed = []
     for topic, future in admin.delete_topics(topics).items():
         try:
@@ -145,6 +172,80 @@ def delete_topics(bootstrap_servers: str, topics: list[str], timeout_s: float = 
         except KafkaException:
             failed.append(topic)
     return failed
+
+
+def _create(
+    admin: AdminClient,
+    configs: Mapping[str, dict[str, str]],
+    partitions: int,
+    replication_factor: int,
+) -> None:
+    if not configs:
+        return  # create_topics refuses an empty request
+    new_topics = [
+        NewTopic(
+            name, num_partitions=partitions, replication_factor=replication_factor, config=config
+        )
+        for name, config in configs.items()
+    ]
+    futures = admin.create_topics(new_topics, operation_timeout=ADMIN_TIMEOUT_S)
+    for future in futures.values():
+        try:
+            future.result(timeout=ADMIN_TIMEOUT_S)
+        except KafkaException as error:
+            # A concurrent `ensure` created it first; the re-validation checks it.
+            if error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+
+
+def _raise_limits(admin: AdminClient, limits: Mapping[str, int]) -> tuple[str, ...]:
+    """Raise `max.message.bytes` of existing topics that are below `limits`; the topics raised."""
+    current = _configs(admin, list(limits))
+    too_low = [
+        name for name, limit in limits.items() if int(current[name][MAX_MESSAGE_BYTES]) < limit
+    ]
+    if not too_low:
+        return ()
+    resources = [
+        ConfigResource(
+            ResourceType.TOPIC,
+            name,
+            incremental_configs=[
+                ConfigEntry(
+                    MAX_MESSAGE_BYTES,
+                    str(limits[name]),
+                    incremental_operation=AlterConfigOpType.SET,
+                )
+            ],
+        )
+        for name in too_low
+    ]
+    futures = admin.incremental_alter_configs(resources, request_timeout=ADMIN_TIMEOUT_S)
+    for future in futures.values():
+        future.result(timeout=ADMIN_TIMEOUT_S)
+    return tuple(too_low)
+
+
+def _await_limits(admin: AdminClient, limits: Mapping[str, int]) -> None:
+    """Return once every topic shows at least its limit; raise TopicConfigurationMismatch if one
+    does not within ADMIN_TIMEOUT_S.
+
+    A created topic or an altered config reaches the brokers a moment after the admin request
+    returns; a worker started right after `ensure` reads these limits, so `ensure` returns only
+    once they can be read.
+    """
+    deadline = time.monotonic() + ADMIN_TIMEOUT_S
+    while True:
+        current = _configs(admin, list(limits))
+        short = [n for n, limit in limits.items() if int(current[n][MAX_MESSAGE_BYTES]) < limit]
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            raise TopicConfigurationMismatch(
+                f"max.message.bytes of {short} still below {[limits[n] for n in short]} "
+                f"{ADMIN_TIMEOUT_S:.0f} s after setting it"
+            )
+        time.sleep(POLL_INTERVAL_S)
 
 
 def _validate(
@@ -167,8 +268,9 @@ def _validate(
             f"{names.input} has {input_count}; they must be equal (state of input partition p "
             "lives in changelog partition p)"
         )
-    compacted_existing = tuple(name for name in names.compacted if name in existing)
-    for name, policy in _cleanup_policies(admin, compacted_existing).items():
+    compacted_existing = [name for name in names.compacted if name in existing]
+    for name, config in _configs(admin, compacted_existing).items():
+        policy = config["cleanup.policy"]
         if "compact" not in policy.split(","):
             problems.append(f"{name} must be compacted (cleanup.policy=compact), has {policy!r}")
     if problems:
@@ -177,63 +279,35 @@ def _validate(
 
 def _partition_counts(admin: AdminClient, topics: list[str]) -> dict[str, int]:
     """Partition counts of those of `topics` that exist."""
-    metadata = admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+    metadata = cluster_metadata(admin, METADATA_TIMEOUT_S)
     return {
         name: len(metadata.topics[name].partitions) for name in topics if name in metadata.topics
     }
 
 
-def _cleanup_policies(admin: AdminClient, topics: tuple[str, ...]) -> dict[str, str]:
-    if not topics:
-        return {}  # describe_configs refuses an empty request
+def _configs(
+    admin: AdminClient, topics: Iterable[str], timeout_s: float = ADMIN_TIMEOUT_S
+) -> dict[str, dict[str, str]]:
+    """Each topic's effective configuration (its own settings over the broker's defaults).
+
+    Every topic asked about exists; one created a moment ago may still be unknown to the broker
+    that answers, so UNKNOWN_TOPIC_OR_PART is asked again until `timeout_s`.
+    """
     resources = [ConfigResource(ResourceType.TOPIC, name) for name in topics]
-    futures = admin.describe_configs(resources, request_timeout=ADMIN_TIMEOUT_S)
-    return {
-        resource.name: future.result(timeout=ADMIN_TIMEOUT_S)["cleanup.policy"].value
-        for resource, future in futures.items()
-    }
-
-
-# --- CLI -----------------------------------------------------------------------------------------
-
-
-def add_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("topics", help="manage the pipeline's Kafka topics")
-    actions = parser.add_subparsers(dest="topics_action", required=True, metavar="ACTION")
-    ensure = actions.add_parser(
-        "ensure",
-        help="create missing topics, validate existing ones (idempotent)",
-        description=(
-            "Create the pipeline's topics and validate existing ones: partition counts, "
-            "compaction of completions and changelog, changelog partitions == input partitions."
-        ),
-    )
-    add_bootstrap_servers(ensure)
-    ensure.add_argument(
-        "--partitions", type=int, default=DEFAULT_PARTITIONS, help="partitions per topic"
-    )
-    ensure.add_argument("--replication-factor", type=int, default=1)
-    for role, field in TopicNames.model_fields.items():
-        ensure.add_argument(
-            f"--{role.replace('_', '-')}-topic", dest=f"{role}_topic", default=field.default
-        )
-    ensure.set_defaults(func=_cli_ensure)
-
-
-def _cli_ensure(args: argparse.Namespace) -> int:
-    names = TopicNames(**{role: getattr(args, f"{role}_topic") for role in TopicNames.model_fields})
-    try:
-        result = ensure_topics(
-            args.bootstrap_servers, names, args.partitions, args.replication_factor
-        )
-    except TopicConfigurationMismatch as error:
-        print(f"detok topics ensure: refused: {error}", file=sys.stderr)
-        return 1
-    except KafkaException as error:
-        print(f"detok topics ensure: Kafka error: {error}", file=sys.stderr)
-        return 1
-    for name in result.created:
-        print(f"created   {name}")
-    for name in result.validated:
-        print(f"validated {name}")
-    return 0
+    if not resources:
+        return {}  # describe_configs refuses an empty request
+    deadline = time.monotonic() + timeout_s
+    while True:
+        futures = admin.describe_configs(resources, request_timeout=timeout_s)
+        try:
+            return {
+                resource.name: {
+                    key: entry.value for key, entry in future.result(timeout=timeout_s).items()
+                }
+                for resource, future in futures.items()
+            }
+        except KafkaException as error:
+            unknown = error.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+            if not unknown or time.monotonic() > deadline:
+                raise
+        time.sleep(POLL_INTERVAL_S)

@@ -32,7 +32,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import msgspec
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -45,7 +44,7 @@ from confluent_kafka import (
 
 from pipeline.processor import BatchResult, DeadLetter, Delta, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.events import dump_json, encode_json
+from schemas.events import dump_json
 from schemas.validation import Rejection, parse_event
 from workers.config import WorkerSettings
 from workers.dead_letters import dead_letter_headers, dead_letter_key
@@ -582,8 +581,7 @@ class Worker:
             partition = self.owner.get(request_id)
             if partition is None:
                 continue
-            snapshot = self.processor.snapshot(request_id)
-            value = None if snapshot is None else encode_json(snapshot)
+            value = self.processor.snapshot(request_id)
             offset = checkpoint.offsets.get(partition, -1)
             self._produce(
                 self.topics.changelog,
@@ -592,7 +590,7 @@ class Worker:
                 partition=partition,
                 headers=[(PROCESSED_OFFSET_HEADER, str(offset).encode())],
             )
-            if snapshot is None:
+            if value is None:
                 del self.owner[request_id]
 
     def _commit_transaction(
@@ -773,7 +771,7 @@ class Worker:
         for request_id, (partition, value) in latest.items():
             if value is None:
                 continue
-            self.processor.restore(request_id, msgspec.json.decode(value))
+            self.processor.restore(request_id, value)
             self.owner[request_id] = partition
         self.restoring.difference_update(partitions)
         self.consumer.resume([TopicPartition(self.topics.input, p) for p in partitions])

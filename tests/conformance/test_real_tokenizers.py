@@ -1,8 +1,10 @@
-"""DecodeStream on the real tokenizer files (spec §10): chunk invariance, oracle equality,
-OOV prompt ids, full-decode consistency, and pure decoders equal to `Tokenizer.decode`."""
+"""DecodeStream on the real tokenizer files (docs/decode-semantics.md, 'Tests'): chunk
+invariance, oracle equality, OOV prompt ids, full-decode consistency, pure decoders equal to
+`Tokenizer.decode`, and bounded windows over long invalid byte runs and long prompts."""
 
 from __future__ import annotations
 
+import json
 import random
 from functools import cache
 
@@ -143,3 +145,69 @@ def test_llama_empty_token_ends_a_byte_run() -> None:
         size = rng.randrange(1, 6)
         got = "".join(stream.push(generated[i : i + size]) for i in range(0, len(generated), size))
         assert got + stream.flush() == expected
+
+
+def byte_id(tok: Tokenizer, value: int) -> int:
+    """The id of the token spelling the single byte `value` (a `<0xNN>` token for Llama-2)."""
+    profile = profile_for(tok)
+    if profile.kind == "spm_byte_fallback":
+        return tok.token_to_id(f"<0x{value:02X}>")
+    return profile.byte_table[True].index(bytes([value]))
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "gpt2", "qwen2-from-tiktoken"])
+@pytest.mark.parametrize("value", [0xE2, 0x80], ids=["lead", "continuation"])
+@pytest.mark.parametrize("chunk", [1, 16, 32_000])
+def test_long_invalid_byte_run_keeps_the_window_bounded(name: str, value: int, chunk: int) -> None:
+    """Issue 16 item 13 (docs/decode-semantics.md, 'Linear cost'): 32k copies of one invalid byte.
+
+    Before, the window grew by one id per id while the text ended in U+FFFD, so every push
+    decoded the whole run (quadratic). Now the run's final text is held and the window stays a
+    few ids; the text is unchanged (the full decode here, the per-token oracle below)."""
+    tok = load(name)
+    prompt = tok.encode("Hello world", add_special_tokens=False).ids
+    bad = byte_id(tok, value)
+    generated = [bad] * 32_000 + tok.encode("!", add_special_tokens=False).ids
+    stream = DecodeStream(tok, prompt)
+    out, largest = [], 0
+    for i in range(0, len(generated), chunk):
+        out.append(stream.push(generated[i : i + chunk]))
+        largest = max(largest, len(stream.snapshot()["ids"]))
+    out.append(stream.flush())
+    assert largest <= 16
+    full = tok.decode(prompt + generated, skip_special_tokens=True)
+    assert "".join(out) == full[len(tok.decode(prompt, skip_special_tokens=True)) :]
+    assert "".join(out).count("\ufffd") == 32_000
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "gpt2", "qwen2-from-tiktoken"])
+def test_invalid_byte_runs_equal_the_per_token_oracle(name: str) -> None:
+    tok = load(name)
+    pool = [byte_id(tok, v) for v in (0xE2, 0x82, 0xAC, 0x80, 0xF0, 0x9F, 0xFF, 0xEF, 0xBF, 0xBD)]
+    pool += tok.encode("a 你", add_special_tokens=False).ids
+    rng = random.Random(3)
+    for _ in range(40):
+        prompt = [rng.choice(pool) for _ in range(rng.randrange(60))]
+        generated = [rng.choice(pool) for _ in range(rng.randrange(1, 120))]
+        ref = OracleStream(tok, prompt, True)
+        expected = "".join(ref.push_token(t) for t in generated) + ref.flush()
+        stream = DecodeStream(tok, prompt)
+        size = rng.randrange(1, 20)
+        got = "".join(stream.push(generated[i : i + size]) for i in range(0, len(generated), size))
+        assert got + stream.flush() == expected
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "gpt2", "qwen2-from-tiktoken", "bert-base-uncased"])
+def test_long_prompt_snapshot_is_bounded(name: str) -> None:
+    """Issue 16 item 2 (decode side): a 200k-id prompt no longer sits in the stream (and its
+    snapshot) until the first push: seeding runs at construction and keeps a few ids."""
+    tok = load(name)
+    words = tok.encode(" ".join(TEXTS[:1] + TEXTS[4:5]), add_special_tokens=False).ids
+    prompt = (words * (200_000 // len(words) + 1))[:200_000]
+    stream = DecodeStream(tok, prompt)
+    assert len(json.dumps(stream.snapshot())) < 1_000
+    restored = DecodeStream.from_snapshot(tok, json.loads(json.dumps(stream.snapshot())))
+    generated = tok.encode(" 你好 world!", add_special_tokens=False).ids
+    ref = OracleStream(tok, prompt, True)
+    expected = "".join(ref.push_token(t) for t in generated) + ref.flush()
+    assert restored.push(generated) + restored.flush() == expected

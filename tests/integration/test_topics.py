@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import pytest
@@ -13,8 +14,13 @@ from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 from pydantic import ValidationError
 
 from tests.conftest import REPO_ROOT
-from tests.integration.conftest import WAIT_BOUND_S, unique_name
-from workers.topics import TopicConfigurationMismatch, TopicNames, ensure_topics
+from tests.integration.conftest import WAIT_BOUND_S, free_port_pair, unique_name
+from workers.topics import (
+    OUTPUT_MAX_MESSAGE_BYTES,
+    TopicConfigurationMismatch,
+    TopicNames,
+    ensure_topics,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +49,17 @@ def topic_shapes(bootstrap: str, names: TopicNames) -> dict[str, tuple[int, str]
         )
         for resource, future in configs.items()
     }
+
+
+def wait_until_listed(bootstrap: str, topic: str) -> None:
+    """A topic is created a moment before every broker lists it; `ensure` can only validate a
+    topic it sees, so a test that wants one refused waits until it is listed."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while topic not in admin.list_topics(timeout=WAIT_BOUND_S).topics:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{topic} was not listed within the wait bound")
+        time.sleep(0.1)
 
 
 def run_detok(*arguments: str, bootstrap: str) -> subprocess.CompletedProcess[str]:
@@ -92,6 +109,7 @@ def test_ensure_refuses_a_changelog_unlike_the_input_and_creates_nothing(
     kafka_bootstrap: str, create_topic: Callable[..., str]
 ) -> None:
     changelog = create_topic("wrong-changelog", partitions=3)  # neither 4 nor compacted
+    wait_until_listed(kafka_bootstrap, changelog)
     names = unique_topic_names().model_copy(update={"changelog": changelog})
     with pytest.raises(TopicConfigurationMismatch, match="changelog") as refusal:
         ensure_topics(kafka_bootstrap, names, partitions=4)
@@ -116,9 +134,55 @@ def test_cli_ensure_is_idempotent_and_refuses_a_mismatch(
     assert result.stdout.count("validated") == 6
     assert {count for count, _ in topic_shapes(kafka_bootstrap, names).values()} == {2}
 
-    mismatched = [*flags[:-1], create_topic("cli-wrong-changelog", partitions=5)]
+    wrong_changelog = create_topic("cli-wrong-changelog", partitions=5)
+    wait_until_listed(kafka_bootstrap, wrong_changelog)
+    mismatched = [*flags[:-1], wrong_changelog]
     refused = run_detok(
         "topics", "ensure", "--partitions", "2", *mismatched, bootstrap=kafka_bootstrap
     )
     assert refused.returncode != 0
     assert "refused" in refused.stderr and "changelog" in refused.stderr
+
+
+def topic_limits(bootstrap: str, names: TopicNames) -> dict[str, int]:
+    """max.message.bytes of each topic in `names`, by role."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    resources = {ConfigResource(ResourceType.TOPIC, name): role for role, name in names}
+    return {
+        resources[resource]: int(future.result(timeout=WAIT_BOUND_S)["max.message.bytes"].value)
+        for resource, future in admin.describe_configs(list(resources)).items()
+    }
+
+
+def test_ensure_sets_record_limits_the_outputs_and_dead_letters_need(kafka_bootstrap: str) -> None:
+    """Contract 6: every output and the changelog accept records up to 8 MiB, and the dead-letter
+    topic any record of the input or the changelog plus its error headers."""
+    names = unique_topic_names()
+    ensure_topics(kafka_bootstrap, names, partitions=1)
+    limits = topic_limits(kafka_bootstrap, names)
+    assert limits.pop("input") == 1_048_588  # left at the broker's default
+    assert limits.pop("dead_letters") == OUTPUT_MAX_MESSAGE_BYTES + 64 * 1024
+    assert limits == dict.fromkeys(["deltas", "completions", "metrics", "changelog"], 8 << 20)
+
+
+def test_ensure_follows_a_larger_input_limit_and_raises_lower_existing_ones(
+    kafka_bootstrap: str, create_topic: Callable[..., str]
+) -> None:
+    big_input = create_topic("big-input", partitions=1, config={"max.message.bytes": "20000000"})
+    low_deltas = create_topic("low-deltas", partitions=1, config={"max.message.bytes": "1000"})
+    for topic in (big_input, low_deltas):
+        wait_until_listed(kafka_bootstrap, topic)
+    names = unique_topic_names().model_copy(update={"input": big_input, "deltas": low_deltas})
+    result = ensure_topics(kafka_bootstrap, names, partitions=1)
+    assert result.raised_limits == (low_deltas,)
+    limits = topic_limits(kafka_bootstrap, names)
+    assert limits["input"] == 20_000_000
+    assert limits["dead_letters"] == 20_000_000 + 64 * 1024
+    assert limits["deltas"] == 8 << 20
+    assert ensure_topics(kafka_bootstrap, names, partitions=1).raised_limits == ()
+
+
+def test_cli_ensure_with_the_broker_down_says_so() -> None:
+    result = run_detok("topics", "ensure", bootstrap=f"127.0.0.1:{free_port_pair()}")
+    assert result.returncode == 1
+    assert "no Kafka broker answered" in result.stderr and "Traceback" not in result.stderr

@@ -1,4 +1,5 @@
-"""An independent per-token reference for DecodeStream (spec §9.4-9.5), on `Tokenizer.decode`.
+"""An independent per-token reference for DecodeStream, on `Tokenizer.decode`
+(docs/decode-semantics.md, 'Seeding', 'Pushing', 'Flush').
 
 Line-by-line the upstream Rust algorithm (`seed_prefix`, `push_token`, `flush`) plus the prompt-tail
 fix, with none of the production code's chunking, probes, pure decoders or prefix reuse.

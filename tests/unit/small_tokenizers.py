@@ -14,7 +14,8 @@ from pipeline.vocab_tables import GPT2_CHAR_TO_BYTE, build_profile, register_pro
 
 UNKNOWN_ID = 10_000
 
-# Byte-level: ids 0..255 are the bytes; added tokens from 256 (spec §2.9 TestTokenizer).
+# Byte-level: ids 0..255 are the bytes; added tokens from 256 (upstream's TestTokenizer;
+# docs/decode-semantics.md, 'Tests').
 BL_SPECIAL = 256  # "<special>", special
 BL_IM_END = 257  # "<|im_end|>", special
 BL_THINK = 258  # "<think>", added, not special

@@ -1,5 +1,5 @@
-"""Batch transparency by example (spec §10.16): `decode_round` gives every stream exactly what
-`push` alone would, whatever else shares the round.
+"""Batch transparency by example (docs/decode-semantics.md, 'Batching'): `decode_round` gives
+every stream exactly what `push` alone would, whatever else shares the round.
 
 One round mixes tokenizers of every decoder family (pure Python and through `tokenizers`), both
 `skip_special_tokens` flags, empty chunks, already flushed streams, a request failing on an

@@ -1,4 +1,5 @@
-"""Hypothesis properties of DecodeStream and decode_round on each small tokenizer family (§10).
+"""Hypothesis properties of DecodeStream and decode_round on each small tokenizer family
+(docs/decode-semantics.md, 'Tests').
 
 The reference is `OracleStream`, an independent per-token port of upstream on `Tokenizer.decode`.
 Each family runs twice: with its pure Python decoder (if it has one) and through `tokenizers`
@@ -113,7 +114,7 @@ def test_snapshot_restore_continues_identically(name: str, ffi: bool) -> None:
             texts_plain.append(plain.push(chunk))
             texts_restored.append(restored.push(chunk))
             # Bounded: the window never holds more than the prompt plus this stream's generation.
-            assert len(restored.ids) <= len(prompt) + sum(map(len, chunks))
+            assert len(restored.state.ids) <= len(prompt) + sum(map(len, chunks))
         if data.draw(st.booleans()):
             restored = DecodeStream.from_snapshot(tok, json.loads(json.dumps(restored.snapshot())))
         assert texts_restored == texts_plain
@@ -192,5 +193,48 @@ def test_batch_equals_per_stream(ffi: bool) -> None:
                     alive.discard(i)
         for i in alive:
             assert batched[i].flush() == solo[i].flush()
+
+    check()
+
+
+# Bytes that make long U+FFFD runs: lone leads, stray continuations, never-valid bytes, parts of
+# a literal U+FFFD (EF BF BD) and of valid characters, next to ASCII.
+RUN_BYTES = [0xE2, 0x82, 0xAC, 0x80, 0xF0, 0x9F, 0x98, 0xC3, 0xFF, 0xEF, 0xBF, 0xBD, ord("a")]
+
+
+def run_ids(name: str) -> st.SearchStrategy[list[int]]:
+    """Long sequences of the bytes above, a skipped special and (for Llama-2) the empty piece."""
+    as_id = (lambda x: x) if name == "byte_level" else spm_byte
+    extra = [256] if name == "byte_level" else [0, 1]  # "<special>" / "<unk>", "<s>"
+    return st.lists(
+        st.one_of(st.sampled_from(RUN_BYTES).map(as_id), st.sampled_from(extra)), max_size=80
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "ffi"), [(n, f) for n in ("byte_level", "byte_fallback") for f in (False, True)]
+)
+def test_long_invalid_runs_equal_per_token_and_stay_bounded(name: str, ffi: bool) -> None:
+    """docs/decode-semantics.md, 'Linear cost': a run of invalid bytes is held, not windowed."""
+    tok = tokenizer(name, ffi)
+
+    @SETTINGS
+    @given(run_ids(name), run_ids(name), st.lists(st.integers(0, 80), max_size=8), st.booleans())
+    def check(prompt, generated, cuts, skip) -> None:
+        cuts = sorted(c for c in cuts if c <= len(generated))
+        chunks = [generated[a:b] for a, b in zip([0, *cuts], [*cuts, len(generated)], strict=True)]
+        cumulative, tail, _ = oracle_texts(tok, prompt, generated, skip)
+        stream = DecodeStream(tok, prompt, skip_special_tokens=skip)
+        out, count = "", 0
+        for chunk in chunks:
+            out += stream.push(chunk)
+            count += len(chunk)
+            assert out == (cumulative[count - 1] if count else "")
+            if not ffi:
+                # Pure strategies cut the window behind final text; the generic path cannot.
+                assert len(stream.state.ids) <= 16
+            if data_roundtrip := json.loads(json.dumps(stream.snapshot())):
+                stream = DecodeStream.from_snapshot(tok, data_roundtrip)
+        assert out + stream.flush() == (cumulative[-1] if cumulative else "") + tail
 
     check()

@@ -15,9 +15,9 @@ from pydantic import ValidationError
 
 from schemas.events import INPUT_EVENT_ADAPTER, MAX_TOKEN_ID
 from schemas.fast_events import (
-    FinishEvent,
-    PromptEvent,
-    TokensEvent,
+    ParsedFinish,
+    ParsedPrompt,
+    ParsedTokens,
     decode_event,
     encode_event,
     event_from_json,
@@ -78,12 +78,14 @@ valid_text = st.text(min_size=1, max_size=12)
 valid_records = st.builds(
     lambda event, extra, order: _ordered(event_to_json(event), extra, order),
     st.one_of(
-        st.builds(PromptEvent, request_id=valid_text, model=valid_text, prompt_token_ids=valid_ids),
         st.builds(
-            TokensEvent, request_id=valid_text, seq=st.integers(1, 2**40), token_ids=valid_ids
+            ParsedPrompt, request_id=valid_text, model=valid_text, prompt_token_ids=valid_ids
         ),
         st.builds(
-            FinishEvent,
+            ParsedTokens, request_id=valid_text, seq=st.integers(1, 2**40), token_ids=valid_ids
+        ),
+        st.builds(
+            ParsedFinish,
             request_id=valid_text,
             seq=st.integers(1, 2**40),
             finish_reason=st.one_of(st.none(), st.text(max_size=8)),
@@ -132,15 +134,15 @@ def test_damaged_bytes_are_judged_alike(raw: bytes) -> None:
 def test_inputs_only_the_contract_accepts_still_parse() -> None:
     repeated = b'{"type":"tokens","type":"finish","request_id":"r","seq":1}'
     float_seq = b'{"type":"prompt","request_id":"r","model":"m","seq":0.0,"prompt_token_ids":[]}'
-    assert parse_event(repeated) == FinishEvent(request_id="r", seq=1)
-    assert parse_event(float_seq) == PromptEvent(request_id="r", model="m", prompt_token_ids=[])
+    assert parse_event(repeated) == ParsedFinish(request_id="r", seq=1)
+    assert parse_event(float_seq) == ParsedPrompt(request_id="r", model="m", prompt_token_ids=[])
 
 
 def test_encoding_is_what_the_contract_writes() -> None:
     events = [
-        PromptEvent(request_id="r", model="m", prompt_token_ids=[1, 2]),
-        TokensEvent(request_id="r", seq=1, token_ids=[3]),
-        FinishEvent(request_id="r", seq=2, finish_reason="stop"),
+        ParsedPrompt(request_id="r", model="m", prompt_token_ids=[1, 2]),
+        ParsedTokens(request_id="r", seq=1, token_ids=[3]),
+        ParsedFinish(request_id="r", seq=2, finish_reason="stop"),
     ]
     for event in events:
         wire = encode_event(event)

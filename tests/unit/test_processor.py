@@ -1,61 +1,37 @@
 """The request lifecycle: sequence rules, one decode round per batch, endings and snapshots.
 
-Uses the byte-level test tokenizer (id b <-> byte b, ids >= 10,000 unknown) so every expected
-text is plain bytes arithmetic.
+Uses the byte-level test tokenizer (see `tests.unit.request_events`) so every expected text is
+plain bytes arithmetic.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.processor import MAX_HELD_EVENTS, Delta, EventOrigin, RequestProcessor
+from pipeline.processor import MAX_HELD_EVENTS, Delta, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, TextDelta
-from schemas.fast_events import FinishEvent, PromptEvent, TokensEvent
-from tests.unit.small_tokenizers import UNKNOWN_ID, byte_level
+from schemas.fast_events import ParsedPrompt
+from tests.unit.request_events import (
+    bytes_registry,
+    finish,
+    ids,
+    prompt,
+    reasons,
+    run,
+    run_records,
+    tokens,
+)
+from tests.unit.small_tokenizers import UNKNOWN_ID
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> TokenizerRegistry:
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    byte_level().save(str(path))
-    registry = TokenizerRegistry()
-    registry.register("bytes", path, model_vocab_size=20_000)
-    return registry
-
-
-def ids(text: str) -> list[int]:
-    return list(text.encode())
-
-
-def prompt(request_id: str = "r", text: str = "Hello there", model: str = "bytes") -> PromptEvent:
-    return PromptEvent(request_id=request_id, model=model, prompt_token_ids=ids(text))
-
-
-def tokens(seq: int, text: str | list[int], request_id: str = "r") -> TokensEvent:
-    token_ids = ids(text) if isinstance(text, str) else text
-    return TokensEvent(request_id=request_id, seq=seq, token_ids=token_ids)
-
-
-def finish(seq: int, request_id: str = "r") -> FinishEvent:
-    return FinishEvent(request_id=request_id, seq=seq, finish_reason="stop")
-
-
-def origin(offset: int = 0) -> EventOrigin:
-    return EventOrigin(source="t", partition=0, offset=offset, value=f"raw-{offset}".encode())
-
-
-def run(processor: RequestProcessor, *events, now: float = 0.0):
-    return processor.process([(e, origin(i)) for i, e in enumerate(events)], now)
-
-
-def reasons(result) -> list[str]:
-    return [letter.reason.value for letter in result.dead_letters]
+    return bytes_registry(tmp_path_factory.mktemp("tok"))
 
 
 def test_a_request_yields_contiguous_deltas_and_one_completion(registry) -> None:
@@ -136,7 +112,7 @@ def test_unknown_model_and_out_of_range_prompt_fail_the_request(registry) -> Non
     result = run(processor, prompt(model="nope"), tokens(1, "x"))
     assert reasons(result) == ["unknown_model", "request_already_failed"]
     assert "bytes" in result.dead_letters[0].message  # names the models it does know
-    bad = PromptEvent(request_id="big", model="bytes", prompt_token_ids=[72, 20_000])
+    bad = ParsedPrompt(request_id="big", model="bytes", prompt_token_ids=[72, 20_000])
     assert reasons(run(processor, bad)) == ["token_id_out_of_range"]
     assert result.completions == []
 
@@ -176,18 +152,18 @@ def test_skip_policy_decodes_around_unknown_generated_ids(registry) -> None:
 def test_unknown_prompt_ids_are_filtered_once_and_reported(registry) -> None:
     # The unknown id sits in the seeding window (the last 4..6 prompt ids), where it is dropped.
     processor = RequestProcessor(registry)
-    event = PromptEvent(
+    event = ParsedPrompt(
         request_id="r", model="bytes", prompt_token_ids=[*ids("Hello "), UNKNOWN_ID, *ids("you")]
     )
     first = run(processor, event, tokens(1, "!"))
-    (metric,) = first.metrics
+    (metric,) = first.filtered_ids
     assert (metric.filtered_ids, metric.filtered_count, metric.prompt_tokens) == (
         [UNKNOWN_ID],
         1,
         10,
     )
     second = run(processor, tokens(2, "?"), finish(3))
-    assert second.metrics == []
+    assert second.filtered_ids == []
     assert second.completions[0].filtered_prompt_ids == [UNKNOWN_ID]
 
 
@@ -201,8 +177,8 @@ def test_idle_requests_expire_and_markers_are_forgotten(registry) -> None:
         now=100.0,
     )
     run(processor, prompt("done"), finish(1, "done"), now=100.0)
-    assert processor.expire(now=104.0).dead_letters == []
-    expired = processor.expire(now=110.0)
+    assert processor.expire(104.0).dead_letters == []
+    expired = processor.expire(110.0)
     assert sorted(reasons(expired)) == ["sequence_gap", "ttl_expired"]
     ttl = next(d for d in expired.dead_letters if d.reason is DeadLetterReason.TTL_EXPIRED)
     assert ttl.origin is None and json.loads(ttl.value)["request_id"] == "idle"
@@ -212,24 +188,33 @@ def test_idle_requests_expire_and_markers_are_forgotten(registry) -> None:
     assert "done" not in processor.requests and {"idle", "done"} <= expired.touched
 
 
-def test_snapshot_restore_continues_exactly(registry, tmp_path: Path) -> None:
+def test_snapshot_restore_continues_exactly(registry) -> None:
     original = RequestProcessor(registry)
-    run(original, prompt(), tokens(1, "ab€"[:2]), tokens(3, "held"))
-    run(original, tokens(2, ids("€")[:1]))
-    snapshot = json.loads(json.dumps(original.snapshot("r")))
+    run_records(original, prompt(), tokens(1, "ab€"[:2]), tokens(3, "held"))
+    run_records(original, tokens(2, ids("€")[:1]))
+    snapshot = original.snapshot("r")
     restored = RequestProcessor(registry)
     restored.restore("r", snapshot)
     tail = [tokens(4, ids("€")[1:] + ids("!")), finish(5)]
     assert run(restored, *tail).completions == run(original, *tail).completions
-    assert original.snapshot("r")["kind"] == "finished"
+    assert json.loads(original.snapshot("r"))["state"]["kind"] == "finished"
     restored.restore("r", None)
     assert "r" not in restored.requests
 
 
-@given(text=st.text(), final=st.booleans(), seq=st.integers(0, 2**40))
-def test_a_delta_encodes_as_the_text_delta_model(text: str, final: bool, seq: int) -> None:
-    delta = Delta("r-1", "gpt2", seq, seq + 3, text, final)
+@given(text=st.text(), final=st.booleans(), seq=st.integers(0, 2**40), offset=st.integers(0, 2**40))
+def test_a_delta_encodes_as_the_text_delta_model(
+    text: str, final: bool, seq: int, offset: int
+) -> None:
+    delta = Delta("r-1", "gpt2", seq, seq + 3, offset, text, final)
     wire = TextDelta.model_validate_json(delta.to_wire_json())
     assert wire == TextDelta(
-        request_id="r-1", model="gpt2", seq_start=seq, seq_end=seq + 3, text=text, final=final
+        request_id="r-1",
+        model="gpt2",
+        seq_start=seq,
+        seq_end=seq + 3,
+        text_offset=offset,
+        text=text,
+        final=final,
     )
+    assert delta.to_wire_json() == wire.model_dump_json().encode()

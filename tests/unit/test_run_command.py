@@ -102,3 +102,113 @@ def test_unreadable_input_or_bad_spec_exit_2(tmp_path: Path, tokenizer_file: Pat
     assert detok_run(f"bytes={tokenizer_file}", missing, out) == 2
     assert detok_run("bytes", missing, out) == 2
     assert detok_run(f"x={tmp_path / 'nope.json'}", missing, out) == 2
+
+
+@pytest.mark.parametrize(
+    ("output", "dead_letter"),
+    [
+        ("in.jsonl", None),  # --output equal to --input
+        ("out.jsonl", "in.jsonl"),  # --dead-letter equal to --input
+        ("./sub/../in.jsonl", None),  # the same file, spelled differently
+        ("out.jsonl", "out.jsonl"),  # both outputs on one file: dead letters would be lost
+    ],
+)
+def test_a_run_that_would_overwrite_its_input_or_merge_its_outputs_is_refused(
+    tmp_path: Path, tokenizer_file: Path, output: str, dead_letter: str | None, capsys
+) -> None:
+    (tmp_path / "sub").mkdir()
+    source = tmp_path / "in.jsonl"
+    content = generation("a", "Hi", " there") + "\n"
+    source.write_text(content, encoding="utf-8")
+    extra = ["--dead-letter", str(tmp_path / dead_letter)] if dead_letter else []
+    code = detok_run(f"bytes={tokenizer_file}", source, tmp_path / output, *extra)
+    assert code == 2
+    assert "same file" in capsys.readouterr().err
+    assert source.read_text(encoding="utf-8") == content
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "sub", "tokenizer.json"]
+
+
+def test_an_input_named_like_the_default_dead_letter_file_is_refused(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    source = tmp_path / "out.dead-letters.jsonl"
+    content = generation("a", "Hi", " there") + "\n"
+    source.write_text(content, encoding="utf-8")
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 2
+    assert source.read_text(encoding="utf-8") == content
+
+
+def test_a_hard_link_to_the_input_is_the_same_file(tmp_path: Path, tokenizer_file: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    content = generation("a", "Hi", " there") + "\n"
+    source.write_text(content, encoding="utf-8")
+    (tmp_path / "link.jsonl").hardlink_to(source)
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "link.jsonl") == 2
+    assert source.read_text(encoding="utf-8") == content
+
+
+def test_existing_outputs_survive_a_run_that_fails_midway(
+    tmp_path: Path, tokenizer_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs are written beside their targets and renamed at the end: an interrupted run
+    leaves the previous outputs whole and no temporary file behind."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(generation("a", "Hi", " there") + "\n", encoding="utf-8")
+    output, dead = tmp_path / "out.jsonl", tmp_path / "out.dead-letters.jsonl"
+    output.write_text("previous completions\n")
+    dead.write_text("previous dead letters\n")
+
+    def interrupted(*_args, **_kwargs):
+        yield from ()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("workers.commands.run.run_generations", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        detok_run(f"bytes={tokenizer_file}", source, output)
+    assert output.read_text() == "previous completions\n"
+    assert dead.read_text() == "previous dead letters\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "in.jsonl", "out.dead-letters.jsonl", "out.jsonl", "tokenizer.json",
+    ]  # fmt: skip
+
+
+def test_a_file_in_which_no_line_parses_is_an_error(
+    tmp_path: Path, tokenizer_file: Path, capsys
+) -> None:
+    source = tmp_path / "data.parquet"
+    source.write_bytes(b"PAR1\x15\x04\x15\x10\x15\x14L\x15\x02\x15\x00\x12\x00\x00\nPAR1\xff\n")
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 1
+    err = capsys.readouterr().err
+    assert "0 completions" in err and "no line of" in err and "JSONL" in err
+
+
+def test_an_empty_input_is_fine(tmp_path: Path, tokenizer_file: Path) -> None:
+    source = tmp_path / "empty.jsonl"
+    source.write_text("")
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 0
+    assert (tmp_path / "out.jsonl").read_text() == ""
+
+
+def test_a_file_of_unknown_models_only_is_an_error_without_the_jsonl_hint(
+    tmp_path: Path, tokenizer_file: Path, capsys
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        json.dumps(
+            {"request_id": "m", "model": "other", "prompt_token_ids": [1], "output_token_ids": [2]}
+        )
+        + "\n"
+    )
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 1
+    err = capsys.readouterr().err
+    assert "unknown_model=1" in err and "gave a completion" in err and "JSONL" not in err
+
+
+def test_an_output_that_is_a_directory_is_exit_2_and_leaves_no_file(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(generation("a", "Hi", " there") + "\n", encoding="utf-8")
+    (tmp_path / "out").mkdir()
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out", "tokenizer.json"]

@@ -8,19 +8,26 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric, dump_json
+from schemas import validation
+from schemas.events import (
+    Completion,
+    DeadLetterReason,
+    FilteredIdsRecord,
+    LoggedGeneration,
+    dump_json,
+)
 from schemas.export import SCHEMA_DIR, rendered_schemas
-from schemas.fast_events import FinishEvent, PromptEvent, TokensEvent
-from schemas.validation import Rejection, parse_event
+from schemas.fast_events import ParsedFinish, ParsedPrompt, ParsedTokens
+from schemas.validation import Rejection, parse_event, parse_model
 
 
 def test_events_are_discriminated_by_type() -> None:
     prompt = parse_event(b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[1,2]}')
     tokens = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[3]}')
     finish = parse_event(b'{"type":"finish","request_id":"r","seq":2,"finish_reason":"stop"}')
-    assert isinstance(prompt, PromptEvent) and prompt.seq == 0 and prompt.skip_special_tokens
-    assert isinstance(tokens, TokensEvent) and tokens.token_ids == [3]
-    assert isinstance(finish, FinishEvent) and finish.finish_reason == "stop"
+    assert isinstance(prompt, ParsedPrompt) and prompt.seq == 0 and prompt.skip_special_tokens
+    assert isinstance(tokens, ParsedTokens) and tokens.token_ids == [3]
+    assert isinstance(finish, ParsedFinish) and finish.finish_reason == "stop"
 
 
 @pytest.mark.parametrize(
@@ -57,12 +64,12 @@ def test_bad_records_are_rejected_with_a_reason(raw: bytes, reason: str) -> None
 
 def test_largest_u32_id_is_accepted() -> None:
     parsed = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[4294967295, 0]}')
-    assert isinstance(parsed, TokensEvent)
+    assert isinstance(parsed, ParsedTokens)
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
     parsed = parse_event(b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1],"ts":1.5}')
-    assert isinstance(parsed, TokensEvent)
+    assert isinstance(parsed, ParsedTokens)
 
 
 def test_exported_json_schemas_are_current() -> None:
@@ -93,8 +100,49 @@ def test_dump_json_is_model_dump_json(text: str, error: str | None, ids: list[in
         filtered_prompt_ids=ids,
         error=error,
     )
-    metric = FilteredIdsMetric(
+    metric = FilteredIdsRecord(
         request_id="r", model="m", filtered_ids=ids, filtered_count=len(ids), prompt_tokens=9
     )
     for model in (completion, metric):
         assert dump_json(model) == model.model_dump_json().encode()
+
+
+def test_a_deeply_nested_field_is_rejected_not_raised() -> None:
+    # Issue 16 item 1: 2,000 nested arrays in an otherwise valid event made the decoder raise
+    # RecursionError out of `parse_event`, and the worker exit on every restart.
+    nested = b"[" * 2000 + b"]" * 2000
+    event = b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1],"x":' + nested + b"}"
+    generation = (
+        b'{"request_id":"r","model":"m","prompt_token_ids":[1],"output_token_ids":[2],"x":'
+        + nested
+        + b"}"
+    )
+    for parsed in (parse_event(event), parse_model(LoggedGeneration, generation)):
+        assert isinstance(parsed, Rejection)
+        assert parsed.reason is DeadLetterReason.MALFORMED_JSON
+        assert "recursion limit" in parsed.message
+
+
+class PanicException(BaseException):
+    """What pyo3 raises for a panic in a Rust extension (the real one is not importable)."""
+
+
+@pytest.mark.parametrize(
+    "raised", [RuntimeError("decoder bug"), PanicException("decoder bug"), MemoryError()]
+)
+def test_any_exception_while_parsing_is_a_rejection(
+    monkeypatch: pytest.MonkeyPatch, raised: BaseException
+) -> None:
+    def broken(raw: bytes) -> None:
+        raise raised
+
+    monkeypatch.setattr(validation, "decode_event", broken)
+    monkeypatch.setattr(validation.INPUT_EVENT_ADAPTER, "validate_json", broken)
+    raw = b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1]}'
+    if isinstance(raised, MemoryError):  # the process's, not the record's
+        with pytest.raises(MemoryError):
+            parse_event(raw)
+        return
+    assert parse_event(raw) == Rejection(
+        DeadLetterReason.UNEXPECTED_ERROR, type(raised).__name__, "decoder bug"
+    )

@@ -1,4 +1,5 @@
-"""Ports of the upstream Rust unit tests in vLLM `rust/src/tokenizer/src/incremental.rs` (§2.9).
+"""Ports of the upstream Rust unit tests in vLLM `rust/src/tokenizer/src/incremental.rs`
+(docs/decode-semantics.md, 'Tests').
 
 Same inputs and expectations. The byte-level fixture is a real `tokenizers.Tokenizer` equivalent
 to upstream's `TestTokenizer` (id b <-> byte b, added tokens from 256, 10_000 unknown). Upstream's

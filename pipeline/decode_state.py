@@ -1,0 +1,209 @@
+"""The state every decode strategy shares, its snapshot format, and the stream's errors.
+
+One state for all strategies (`pipeline.decode_reference`, `pipeline.decode_byte_level`,
+`pipeline.decode_spm`), so a snapshot taken under one tokenizer build restores under any, and the
+changelog has one format. The rules the fields follow are in docs/decode-semantics.md.
+"""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from collections.abc import Sequence
+from typing import Any, Literal
+
+U32 = 1 << 32
+SNAPSHOT_VERSION = 2
+
+UnknownPolicy = Literal["error", "skip"]
+
+
+class InvalidTokenIdError(ValueError):
+    """A token id that is not an integer in [0, 2**32): malformed input, rejected up front."""
+
+
+class StrictDecodeError(Exception):
+    """A generated id the tokenizer cannot map (docs/decode-semantics.md, 'Unknown ids').
+
+    `partial_text` is the text produced by the ids before it in the same chunk; the stream state
+    reflects those ids as pushed, exactly as if they had been pushed one by one before the error.
+    """
+
+    def __init__(self, token_id: int, partial_text: str) -> None:
+        super().__init__(f"cannot decode unknown token id {token_id}")
+        self.token_id = token_id
+        self.partial_text = partial_text
+
+
+class SnapshotFormatError(ValueError):
+    """A snapshot that is not one this module wrote: wrong version, missing or mistyped field, or
+    fields that contradict each other. Raised by `DecodeState.from_snapshot` before any state is
+    built, so a caller can turn it into its own restore failure."""
+
+
+def utf8_len(text: str) -> int:
+    """Length in UTF-8 bytes: the unit lengths are compared in (docs/decode-semantics.md)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def slice_from_byte(text: str, n: int) -> str:
+    """`text[n..]` in UTF-8 bytes, with n floored to a char boundary (Rust `floor_char_boundary`).
+
+    Flooring instead of failing is what upstream does for non-monotonic decodes (vllm #17448).
+    """
+    if text.isascii():
+        return text[n:]
+    raw = text.encode("utf-8")
+    if n >= len(raw):
+        return ""
+    while n > 0 and (raw[n] & 0xC0) == 0x80:
+        n -= 1
+    return raw[n:].decode("utf-8")
+
+
+def validated_ids(token_ids: Sequence[Any]) -> list[int]:
+    """The ids as a list of ints, or InvalidTokenIdError naming the first bad one.
+
+    `tokenizers` would raise OverflowError/TypeError on these, deep inside a decode; here the
+    whole sequence is checked first, so a malformed chunk changes no state.
+    """
+    ids = list(token_ids)
+    try:
+        # C-speed check: array('I') takes exactly the ints in [0, 2**32) (and rejects the rest
+        # with OverflowError/TypeError), so prompts of thousands of ids cost no Python loop. The
+        # ids themselves are kept (`tolist` would allocate a new int object per id); `snapshot`
+        # normalizes int-likes such as numpy integers to plain ints.
+        array("I", ids)
+        return ids
+    except (OverflowError, TypeError, ValueError):
+        pass
+    out: list[int] = []
+    for position, raw in enumerate(ids):
+        try:
+            value = operator.index(raw)
+        except TypeError:
+            raise InvalidTokenIdError(
+                f"token id at position {position} is not an integer: {raw!r}"
+            ) from None
+        if not 0 <= value < U32:
+            raise InvalidTokenIdError(
+                f"token id at position {position} is outside [0, 2**32): {value}"
+            )
+        out.append(value)
+    return out
+
+
+class DecodeState:
+    """Everything one request's decode remembers (see docs/decode-semantics.md, 'State').
+
+    - `ids`: the window: left context (`ids[:prefix_index]`) plus ids not emitted yet. Seeding
+      runs at construction, so it never holds the whole prompt past that.
+    - `prefix`: decode of `ids[:prefix_index]`, text already accounted for.
+    - `started`: a token has been pushed (upstream's `prefix_seeded`): before that, `flush`
+      emits nothing, so the prompt never leaks.
+    - `held`: text that is final but not emitted yet, because per-token pushing would still be
+      waiting (the text ends in U+FFFD), as a list of parts (appending stays linear). The window
+      was cut behind it so an invalid byte run costs constant work per id; when `held` is not
+      empty, `prefix` is "" and `prefix_index` 0.
+    - `filtered_prompt_ids`: prompt ids the tokenizer cannot map, dropped while seeding.
+    """
+
+    __slots__ = (
+        "skip_special_tokens",
+        "unknown_generated_ids",
+        "ids",
+        "prefix",
+        "prefix_index",
+        "started",
+        "held",
+        "filtered_prompt_ids",
+    )
+
+    def __init__(
+        self,
+        ids: list[int],
+        *,
+        skip_special_tokens: bool,
+        unknown_generated_ids: UnknownPolicy,
+    ) -> None:
+        if unknown_generated_ids not in ("error", "skip"):
+            raise ValueError(
+                f"unknown_generated_ids must be 'error' or 'skip', not {unknown_generated_ids!r}"
+            )
+        self.skip_special_tokens = bool(skip_special_tokens)
+        self.unknown_generated_ids: UnknownPolicy = unknown_generated_ids
+        self.ids = ids
+        self.prefix = ""
+        self.prefix_index = 0
+        self.started = False
+        self.held: list[str] = []
+        self.filtered_prompt_ids: list[int] = []
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state as JSON-able plain values (for a changelog); see `from_snapshot`."""
+        return {
+            "version": SNAPSHOT_VERSION,
+            "skip_special_tokens": self.skip_special_tokens,
+            "unknown_generated_ids": self.unknown_generated_ids,
+            "ids": array("I", self.ids).tolist(),
+            "prefix": self.prefix,
+            "prefix_index": self.prefix_index,
+            "started": self.started,
+            "held": "".join(self.held),
+            "filtered_prompt_ids": array("I", self.filtered_prompt_ids).tolist(),
+        }
+
+    @classmethod
+    def from_snapshot(cls, data: Any) -> DecodeState:
+        """The state of a `snapshot()`, or SnapshotFormatError for anything else.
+
+        Version 1 (before seeding moved to construction) is read too: its `prefix_seeded` is
+        `started`, and it held no text. An unseeded version 1 snapshot carries the whole prompt
+        in `ids` and must be seeded again (`needs_seeding`); `DecodeStream.from_snapshot` does.
+        """
+        if not isinstance(data, dict):
+            raise SnapshotFormatError(f"a decode snapshot is an object, not {type(data).__name__}")
+        version = data.get("version")
+        if version not in (1, SNAPSHOT_VERSION) or type(version) is not int:
+            raise SnapshotFormatError(f"unsupported decode snapshot version: {version!r}")
+        skip = _field(data, "skip_special_tokens", bool)
+        policy = _field(data, "unknown_generated_ids", str)
+        if policy not in ("error", "skip"):
+            raise SnapshotFormatError(f"unknown_generated_ids is not 'error' or 'skip': {policy!r}")
+        try:
+            ids = validated_ids(_field(data, "ids", list))
+            filtered = validated_ids(_field(data, "filtered_prompt_ids", list))
+        except InvalidTokenIdError as error:
+            raise SnapshotFormatError(f"snapshot ids: {error}") from None
+        state = cls(ids, skip_special_tokens=skip, unknown_generated_ids=policy)  # type: ignore[arg-type]
+        state.prefix = _field(data, "prefix", str)
+        state.prefix_index = _field(data, "prefix_index", int)
+        if version == 1:
+            state.started = _field(data, "prefix_seeded", bool)
+        else:
+            state.started = _field(data, "started", bool)
+            held = _field(data, "held", str)
+            state.held = [held] if held else []
+        state.filtered_prompt_ids = filtered
+        if not 0 <= state.prefix_index <= len(ids):
+            raise SnapshotFormatError("snapshot prefix_index is outside its window")
+        if state.held and (state.prefix or state.prefix_index):
+            raise SnapshotFormatError("snapshot holds text beside a prefix")
+        return state
+
+
+def needs_seeding(data: dict[str, Any]) -> bool:
+    """Whether a (valid) snapshot is a version 1 stream that never seeded: `ids` is its prompt."""
+    return data.get("version") == 1 and data.get("prefix_seeded") is False
+
+
+def _field(data: dict[str, Any], name: str, kind: type) -> Any:
+    """`data[name]` if present and of type `kind` (a bool is not an int here), else the error."""
+    if name not in data:
+        raise SnapshotFormatError(f"decode snapshot has no {name!r}")
+    value = data[name]
+    if type(value) is not kind:
+        raise SnapshotFormatError(
+            f"decode snapshot {name!r} is {type(value).__name__}, not {kind.__name__}"
+        )
+    return value

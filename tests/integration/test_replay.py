@@ -1,0 +1,100 @@
+"""`detok replay` checks delivery (issue 16 #7): a missing topic, an event over the topic's
+`max.message.bytes` or a 500k-id prompt end in exit 1 with a count, never in a false success or a
+traceback, and the events that fit are delivered."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.integration.conftest import unique_name
+from tests.integration.worker_harness import read_topic
+
+pytestmark = pytest.mark.integration
+
+
+def detok(*arguments: str, bootstrap: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", *arguments, "--bootstrap-servers", bootstrap],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap},
+        timeout=180,  # the command bounds its own waits (metadata 15 s, delivery 60 s)
+        check=False,
+    )
+
+
+def write_generations(path: Path, prompts: dict[str, int]) -> Path:
+    """One logged generation per request id, with a prompt of the given number of ids and four
+    generated ids (chunk size 2: events prompt, tokens, tokens, finish)."""
+    lines = [
+        json.dumps(
+            {"request_id": request_id, "model": "m", "prompt_token_ids": [15496] * length,
+             "output_token_ids": [1, 2, 3, 4]}
+        )
+        for request_id, length in prompts.items()
+    ]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def request_ids_on(bootstrap: str, topic: str) -> list[str]:
+    return [key.decode() for key, _, _ in read_topic(bootstrap, topic)]
+
+
+def test_replay_to_a_missing_topic_says_so(kafka_bootstrap: str, tmp_path: Path) -> None:
+    source = write_generations(tmp_path / "in.jsonl", {"a": 3})
+    result = detok("replay", "--input", str(source), "--topic", unique_name("absent"),
+                   bootstrap=kafka_bootstrap)  # fmt: skip
+    assert result.returncode == 1
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+    assert "replayed" not in result.stdout
+
+
+def test_an_event_over_the_topic_limit_is_counted_and_its_batch_mates_arrive(
+    kafka_bootstrap: str, create_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topic = create_topic("small-limit", partitions=1, config={"max.message.bytes": "20000"})
+    prompts = {f"r{i:02d}": 10 for i in range(20)}
+    prompts["r10"] = 10_000  # ~60 KB of JSON: over the topic's limit
+    source = write_generations(tmp_path / "in.jsonl", prompts)
+    result = detok("replay", "--input", str(source), "--chunk-size", "2", "--topic", topic,
+                   bootstrap=kafka_bootstrap)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 of 80 records not delivered (MSG_SIZE_TOO_LARGE=1)" in result.stderr
+    assert "Traceback" not in result.stderr
+    delivered = request_ids_on(kafka_bootstrap, topic)
+    assert len(delivered) == 79
+    assert {rid: delivered.count(rid) for rid in prompts} == {
+        rid: 3 if rid == "r10" else 4 for rid in prompts
+    }
+
+
+def test_a_500k_id_prompt_is_a_counted_failure_not_a_traceback(
+    kafka_bootstrap: str, create_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topic = create_topic("default-limit", partitions=1)
+    source = write_generations(tmp_path / "in.jsonl", {"huge": 500_000, "small": 5})
+    result = detok("replay", "--input", str(source), "--chunk-size", "2", "--topic", topic,
+                   bootstrap=kafka_bootstrap)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 of 8 records not delivered (MSG_SIZE_TOO_LARGE=1)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(request_ids_on(kafka_bootstrap, topic)) == ["huge"] * 3 + ["small"] * 4
+
+
+def test_collect_from_a_missing_topic_says_so(kafka_bootstrap: str, tmp_path: Path) -> None:
+    output = tmp_path / "out.jsonl"
+    result = detok("collect", "--topic", unique_name("absent"), "--output", str(output),
+                   bootstrap=kafka_bootstrap)  # fmt: skip
+    assert result.returncode == 1
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+    assert not output.exists()

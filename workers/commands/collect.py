@@ -1,0 +1,55 @@
+"""`detok collect`: completions from Kafka into JSONL (the format of `detok run`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from workers.commands import failures
+from workers.commands.options import (
+    add_connection_options,
+    add_topic_options,
+    connection_from,
+    positive_float,
+    positive_int,
+    topic_names_from,
+)
+from workers.replay import collect, write_completions
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "collect", help="read completions into JSONL (the format of detok run), by request id"
+    )
+    add_connection_options(parser)
+    add_topic_options(parser, ("completions",), topic_alias=True)
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--expect", type=positive_int, help="stop after this many completions")
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=10.0,
+        help="stop after this many seconds without a new completion",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    topic = topic_names_from(args).completions
+    try:
+        completions = collect(
+            connection_from(args), topic, expect=args.expect, idle_timeout_s=args.timeout
+        )
+    except failures.KAFKA_FAILURES as error:
+        return failures.report("collect", error)
+    try:
+        write_completions(args.output, completions)
+    except OSError as error:
+        print(f"detok collect: {error}", file=sys.stderr)
+        return 2
+    print(f"collected {len(completions)} completions -> {args.output}")
+    if args.expect is not None and len(completions) < args.expect:
+        print(f"detok collect: expected {args.expect}", file=sys.stderr)
+        return 1
+    return 0

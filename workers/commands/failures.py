@@ -1,0 +1,25 @@
+"""How a command that talks to Kafka reports a failure: one line on stderr and exit 1.
+
+A traceback tells an operator nothing they can act on; these errors already say what went wrong
+(no broker, no such topic, records not delivered), so every Kafka command ends with them alone.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from confluent_kafka import KafkaException
+
+from workers.kafka_clients import KafkaUnavailable, UndeliveredRecords, UnknownTopic
+
+KAFKA_FAILURES = (KafkaUnavailable, UnknownTopic, UndeliveredRecords, KafkaException)
+
+
+def report(command: str, error: Exception) -> int:
+    """Print `error` for `detok COMMAND` and return the exit code for it."""
+    if isinstance(error, KafkaException):
+        message = f"Kafka error: {error.args[0].str() if error.args else error}"
+    else:
+        message = str(error)
+    print(f"detok {command}: {message}", file=sys.stderr)
+    return 1

@@ -1,0 +1,60 @@
+"""`detok replay`: logged generations (the input of `detok run`) as events onto the input topic."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.generations import DEFAULT_CHUNK_SIZE
+from workers.commands import failures
+from workers.commands.options import (
+    add_connection_options,
+    add_topic_options,
+    connection_from,
+    positive_float,
+    positive_int,
+    readable_file,
+    topic_names_from,
+)
+from workers.replay import replay
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "replay",
+        help="produce logged generations (detok run input) as events to the input topic",
+        description="Cut each logged generation into the events an inference server sends and "
+        "produce them, keyed by request id. Exits 1, with a count, if any event was not "
+        "delivered (a missing topic, a record over the topic's max.message.bytes).",
+    )
+    add_connection_options(parser)
+    add_topic_options(parser, ("input",), topic_alias=True)
+    parser.add_argument("--input", required=True, type=readable_file, metavar="FILE")
+    parser.add_argument(
+        "--chunk-size", type=positive_int, default=DEFAULT_CHUNK_SIZE, metavar="N",
+        help="generated ids per tokens event",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rate", type=positive_float, help="events per second (default: as fast as possible)"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    topic = topic_names_from(args).input
+    try:
+        totals = replay(
+            connection_from(args),
+            args.input,
+            topic,
+            chunk_size=args.chunk_size,
+            rate=args.rate,
+            progress=sys.stderr.isatty(),
+        )
+    except failures.KAFKA_FAILURES as error:
+        return failures.report("replay", error)
+    print(
+        f"replayed {totals.requests} requests as {totals.events} events "
+        f"({totals.invalid_lines} invalid lines passed through) to {topic}"
+    )
+    return 0
