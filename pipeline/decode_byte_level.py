@@ -14,16 +14,17 @@ the stream cheap and bounded:
   decode depends only on the bytes). Each pushed id then costs constant work.
 
 Anything else (unknown or malformed ids, a prefix that ends in U+FFFD after an adversarial
-prompt) goes through the reference algorithm, with the same state.
+prompt) goes through the reference algorithm, with the same self.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import itemgetter
+from typing import Any
 
-from pipeline.decode_reference import ReferenceStrategy
-from pipeline.decode_state import DecodeState, slice_from_byte, utf8_len
+from pipeline.decode_reference import ReferenceStream
+from pipeline.decode_state import slice_from_byte, utf8_len
 from pipeline.vocab_tables import FFFD, TokenizerProfile
 
 # The window is compacted once it holds more ids than this. An unfinished UTF-8 sequence has at
@@ -93,27 +94,33 @@ def ends_clean(raw: bytes, end: int) -> bool:
         return False
 
 
-class ByteLevelStrategy(ReferenceStrategy):
+class ByteLevelStream(ReferenceStream):
     """Top-level ByteLevel decoders: the settled fast path, with invalid runs moved to `held`."""
 
-    def __init__(self, profile: TokenizerProfile, skip_special_tokens: bool) -> None:
-        super().__init__(profile, skip_special_tokens)
-        # id -> token bytes (None = unknown) under this skip flag.
-        self.table: list[bytes | None] = profile.byte_table[skip_special_tokens]
-        # byte -> an id spelling exactly that byte, to re-spell a cut window's unfinished bytes
-        # (None if the vocabulary lacks one: then windows are not cut).
-        self.byte_ids: list[int] | None = _single_byte_ids(self.table, profile.special_ids)
+    __slots__ = ()
 
-    def push(self, state: DecodeState, token_ids: Sequence[int]) -> str:
+    table: list[bytes | None]  # id -> token bytes (None = unknown) under this skip flag
+    # byte -> an id spelling exactly that byte, to re-spell a cut window's unfinished bytes
+    # (None if the vocabulary lacks one: then windows are not cut).
+    byte_ids: list[int] | None
+
+    @classmethod
+    def _class_attributes(cls, profile: TokenizerProfile, skip: bool) -> dict[str, Any]:
+        table = profile.byte_table[skip]
+        return super()._class_attributes(profile, skip) | {
+            "table": table,
+            "byte_ids": _single_byte_ids(table, profile.special_ids),
+        }
+
+    def push(self, token_ids: Sequence[int]) -> str:
         chunk = token_ids if type(token_ids) is list else list(token_ids)
-        if not chunk:
-            return super().push(state, chunk)
         table = self.table
         # Validation rides on the table lookup: unknown ids (None) and non-ints raise TypeError,
-        # ids past the table IndexError; negative ids would index from the end, hence `min`. Any
-        # of those takes the reference path, which validates and reports exactly (and, like
-        # here, changes no state before validating). (`itemgetter` fetches a chunk faster than
-        # `map(table.__getitem__, ...)`, but returns a bare item, not a tuple, for a single id.)
+        # ids past the table IndexError; negative ids would index from the end, hence `min`
+        # (which raises ValueError on an empty chunk). Any of those takes the reference path,
+        # which validates and reports exactly (and, like here, changes no state before
+        # validating). (`itemgetter` fetches a chunk faster than `map(table.__getitem__, ...)`,
+        # but returns a bare item, not a tuple, for a single id.)
         try:
             if min(chunk) < 0:
                 raw = None
@@ -121,30 +128,30 @@ class ByteLevelStrategy(ReferenceStrategy):
                 raw = b"".join(itemgetter(*chunk)(table))
             else:
                 raw = table[chunk[0]]
-        except (TypeError, IndexError):
+        except (TypeError, IndexError, ValueError):
             raw = None
         if raw is None:
-            return super().push(state, chunk)
-        state.started = True
-        if state.prefix_index:
-            return self._push_unsettled(state, chunk)
+            return super().push(chunk)
+        self.started = True
+        if self.prefix_index:
+            return self._push_unsettled(chunk)
         # Settled (see `_settle`): the window is only the ids pending since the last emission,
         # and per-token pushing emits the lossy UTF-8 of their bytes as soon as it does not end
         # in U+FFFD. One join and one decode decide the chunk.
-        pending = state.ids
+        pending = self.ids
         if pending:
             raw = b"".join(map(table.__getitem__, pending)) + raw
         text = raw.decode("utf-8", "replace")
         if not text.endswith(FFFD):
             if pending:
-                state.ids = []
-            if text and state.held:
-                text = "".join(state.held) + text
-                state.held = []
+                self.ids = []
+            if self.held and text:
+                text = "".join(self.held) + text
+                self.held = []
             return text
-        return self._hold_bytes(state, chunk, raw)
+        return self._hold_bytes(chunk, raw)
 
-    def _push_unsettled(self, state: DecodeState, chunk: list[int]) -> str:
+    def _push_unsettled(self, chunk: list[int]) -> str:
         """Push known ids one at a time through the reference path until the state settles.
 
         Only a prompt whose tail could not be seeded cleanly leaves the prefix ending in U+FFFD;
@@ -153,15 +160,15 @@ class ByteLevelStrategy(ReferenceStrategy):
         """
         parts = []
         for position, t in enumerate(chunk):
-            parts.append(ReferenceStrategy.push(self, state, [t]))
-            if not state.prefix_index:
+            parts.append(ReferenceStream.push(self, [t]))
+            if not self.prefix_index:
                 rest = chunk[position + 1 :]
                 if rest:
-                    parts.append(self.push(state, rest))
+                    parts.append(self.push(rest))
                 break
         return "".join(parts)
 
-    def _hold_bytes(self, state: DecodeState, chunk: list[int], raw: bytes) -> str:
+    def _hold_bytes(self, chunk: list[int], raw: bytes) -> str:
         """The settled push of a chunk whose text ends in U+FFFD (ends mid-character).
 
         `raw` is the bytes of pending ids + chunk. Per-token pushing emits, by the chunk's end,
@@ -170,23 +177,32 @@ class ByteLevelStrategy(ReferenceStrategy):
         """
         table = self.table
         end = len(raw)
-        for k in range(len(chunk) - 1, 0, -1):
+        last = len(chunk) - 1
+        for k in range(last, 0, -1):
             end -= len(table[chunk[k]])  # type: ignore[arg-type]  # known ids: bytes, not None
-            if ends_clean(raw, end):
+            # The first few positions are tried by decoding (the usual case: one token into a
+            # character, found at once); past them a 4-byte look keeps a long chunk linear.
+            if k > last - 4:
                 text = raw[:end].decode("utf-8", "replace")
-                if state.held:
-                    text = "".join(state.held) + text
-                    state.held = []
-                state.ids = chunk[k:]
-                if len(state.ids) > COMPACT_ABOVE:
-                    self._cut_settled(state, raw[end:])
-                return text
-        state.ids = state.ids + chunk
-        if len(state.ids) > COMPACT_ABOVE:
-            self._cut_settled(state, raw)
+                if not text or text.endswith(FFFD):
+                    continue
+            elif ends_clean(raw, end):
+                text = raw[:end].decode("utf-8", "replace")
+            else:
+                continue
+            if self.held:
+                text = "".join(self.held) + text
+                self.held = []
+            self.ids = chunk[k:]
+            if len(self.ids) > COMPACT_ABOVE:
+                self._cut_settled(raw[end:])
+            return text
+        self.ids = self.ids + chunk
+        if len(self.ids) > COMPACT_ABOVE:
+            self._cut_settled(raw)
         return ""
 
-    def _cut_settled(self, state: DecodeState, raw: bytes) -> None:
+    def _cut_settled(self, raw: bytes) -> None:
         """Settled window with bytes `raw`: move the final text before the last restart to
         `held` and re-spell the unfinished rest (at most 3 bytes) as single-byte ids.
 
@@ -199,37 +215,37 @@ class ByteLevelStrategy(ReferenceStrategy):
             return
         cut = last_restart(raw)
         if cut:
-            state.held.append(raw[:cut].decode("utf-8", "replace"))
-        state.ids = [byte_ids[b] for b in raw[cut:]]
+            self.held.append(raw[:cut].decode("utf-8", "replace"))
+        self.ids = [byte_ids[b] for b in raw[cut:]]
 
-    def _compact(self, state: DecodeState) -> None:
+    def _compact(self) -> None:
         """After a reference-path push: the same cut, settled or not."""
-        ids = state.ids
+        ids = self.ids
         if len(ids) <= COMPACT_ABOVE or self.byte_ids is None:
             return
         table = self.table
         raw = b"".join(map(table.__getitem__, ids))  # type: ignore[arg-type]  # known ids
-        if not state.prefix_index:
-            self._cut_settled(state, raw)
+        if not self.prefix_index:
+            self._cut_settled(raw)
             return
         # Unsettled: the prefix ends in U+FFFD. Cutting at a restart r past the prefix's bytes
         # shifts every later comparison by the same amount, provided the text before r is at
         # least as long as the prefix; what lies beyond the prefix is then held, not emitted.
-        prefix_bytes = len(b"".join(map(table.__getitem__, ids[: state.prefix_index])))  # type: ignore[arg-type]
+        prefix_bytes = len(b"".join(map(table.__getitem__, ids[: self.prefix_index])))  # type: ignore[arg-type]
         cut = last_restart(raw)
         if cut < prefix_bytes:
             return
         head = raw[:cut].decode("utf-8", "replace")
-        prefix_len = utf8_len(state.prefix)
+        prefix_len = utf8_len(self.prefix)
         if utf8_len(head) < prefix_len:
             return
         held = slice_from_byte(head, prefix_len)
-        state.held = [held] if held else []
-        state.ids = [self.byte_ids[b] for b in raw[cut:]]
-        state.prefix = ""
-        state.prefix_index = 0
+        self.held = [held] if held else []
+        self.ids = [self.byte_ids[b] for b in raw[cut:]]
+        self.prefix = ""
+        self.prefix_index = 0
 
-    def _settle(self, state: DecodeState) -> None:
+    def _settle(self) -> None:
         """Drop the left context once the prefix ends on a clean boundary.
 
         Lossy UTF-8 is context free after a complete character: if `prefix` (= decode of
@@ -243,22 +259,24 @@ class ByteLevelStrategy(ReferenceStrategy):
         the bytes from its last restart on, re-spelled as single-byte ids: every comparison
         shifts by the same length, so no output changes, and the prompt is not kept.
         """
-        if not state.prefix.endswith(FFFD):
-            del state.ids[: state.prefix_index]
-            state.prefix = ""
-            state.prefix_index = 0
+        if not self.prefix.endswith(FFFD):
+            del self.ids[: self.prefix_index]
+            self.prefix = ""
+            self.prefix_index = 0
+            if len(self.ids) > COMPACT_ABOVE:  # a seed whose clean head left a long tail
+                self._compact()
             return
         byte_ids = self.byte_ids
-        if byte_ids is None or len(state.ids) <= COMPACT_ABOVE:
+        if byte_ids is None or len(self.ids) <= COMPACT_ABOVE:
             return
         table = self.table
-        pending = state.ids[state.prefix_index :]
-        head = b"".join(map(table.__getitem__, state.ids[: state.prefix_index]))  # type: ignore[arg-type]
+        pending = self.ids[self.prefix_index :]
+        head = b"".join(map(table.__getitem__, self.ids[: self.prefix_index]))  # type: ignore[arg-type]
         cut = last_restart(head)
         tail = head[cut:]
-        state.ids = [byte_ids[b] for b in tail] + pending
-        state.prefix = tail.decode("utf-8", "replace")
-        state.prefix_index = len(tail)
+        self.ids = [byte_ids[b] for b in tail] + pending
+        self.prefix = tail.decode("utf-8", "replace")
+        self.prefix_index = len(tail)
 
 
 def _single_byte_ids(table: list[bytes | None], special_ids: frozenset[int]) -> list[int] | None:

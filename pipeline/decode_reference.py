@@ -11,7 +11,7 @@ texts: `push` answers at once, and `pipeline.batch.decode_round` answers many st
 with one `decode_batch` per tokenizer and flag. A profile with a pure Python decoder decodes
 inline and never yields.
 
-`ReferenceStrategy` is also the base of the two fast strategies (`pipeline.decode_byte_level`,
+`ReferenceStream` is also the base of the two fast strategies (`pipeline.decode_byte_level`,
 `pipeline.decode_spm`): they decide most chunks in byte arithmetic and fall back to this
 algorithm for anything they cannot decide exactly. Two hooks let them keep the window bounded:
 `_settle` (after seeding and after each emission: drop context that can no longer change any
@@ -22,16 +22,17 @@ into `held`).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-
-from tokenizers import Tokenizer
+from typing import Any, Self, TypeVar
 
 from pipeline.decode_state import (
-    DecodeState,
+    DecodeRequest,
+    PushSteps,
     StrictDecodeError,
     slice_from_byte,
     utf8_len,
     validated_ids,
 )
+from pipeline.decode_stream import DecodeStream
 from pipeline.vocab_tables import FFFD, TokenizerProfile
 
 # Seeding tries prompt suffixes of SAFE_SUFFIX_MIN..=SAFE_SUFFIX_MAX ids, shortest first (upstream
@@ -47,91 +48,106 @@ SAFE_SUFFIX_MAX = 6
 # leaks, but a character straddling into the generation may come out as U+FFFD.
 PROMPT_TAIL_PROBES = 32
 
-# What the push generator yields: sequences to decode; it is sent their texts, in the same order.
-DecodeRequest = list[list[int]]
-PushSteps = Generator[DecodeRequest, list[str], str]
+Result = TypeVar("Result")
 
 
-class ReferenceStrategy:
-    """The general algorithm, for one tokenizer and one `skip_special_tokens` flag.
+class ReferenceStream(DecodeStream):
+    """The general algorithm; specialized per tokenizer and `skip_special_tokens` flag.
 
-    The strategy interface (what `DecodeStream` and `decode_round` call), shared by every
-    strategy; all per-request data lives in the `DecodeState` passed in:
-    - `seed(state)`: turn the prompt in `state.ids` into left context (at construction);
-    - `push(state, ids) -> str`: decode one chunk of generated ids, answering decodes at once;
-    - `push_steps(state, ids)`: the same as a generator of decode requests (batched driving);
-    - `flush(state) -> str`: the dangling tail at finish;
-    - `decodes_inline`: `push` never needs `tokenizers`, so batching it gains nothing.
+    `specialize` makes the subclass whose class attributes are that tokenizer's tables, so
+    every stream of the tokenizer shares them and reads them like its own fields; the stream's
+    per-request data are the `DecodeState` slots it inherits. Subclasses add their tables by
+    extending `_class_attributes`, and their fast paths by overriding `push`.
     """
 
-    def __init__(self, profile: TokenizerProfile, skip_special_tokens: bool) -> None:
-        self.tokenizer: Tokenizer = profile.tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.profile = profile
-        self.known = profile.known
-        self.pure_decode: Callable[[Sequence[int]], str] | None = profile.pure_decode.get(
-            skip_special_tokens
-        )
-        self.decodes_inline = self.pure_decode is not None
-        self.hidden = profile.special_ids if skip_special_tokens else frozenset()
+    __slots__ = ()
+
+    profile: TokenizerProfile
+    known: bytearray  # known[i] == 1 iff id i is known (ids past its end are unknown)
+    pure_decode: Callable[[Sequence[int]], str] | None
+    hidden: frozenset[int]  # ids that vanish before the decoder runs (skipped specials)
+
+    @classmethod
+    def specialize(cls, profile: TokenizerProfile, skip_special_tokens: bool) -> type[Self]:
+        """The stream class of this strategy for one tokenizer profile and skip flag."""
+        attributes = cls._class_attributes(profile, skip_special_tokens)
+        return type(cls.__name__, (cls,), {"__slots__": (), **attributes})
+
+    @classmethod
+    def _class_attributes(cls, profile: TokenizerProfile, skip: bool) -> dict[str, Any]:
+        pure_decode = profile.pure_decode.get(skip)
+        return {
+            "tokenizer": profile.tokenizer,
+            "skip_special_tokens": skip,
+            "profile": profile,
+            "known": profile.known,
+            # A plain function as a class attribute would bind as a method: keep it static.
+            "pure_decode": None if pure_decode is None else staticmethod(pure_decode),
+            "decodes_inline": pure_decode is not None,
+            "hidden": profile.special_ids if skip else frozenset(),
+        }
 
     # ----------------------------------------------------------------- the interface
 
-    def seed(self, state: DecodeState) -> None:
+    def seed(self) -> None:
         """Seed at once: the window then never holds more of the prompt than seeding keeps."""
-        self._run(self._seed(state))
+        if self.decodes_inline:
+            next(self._seed(), None)  # a pure decoder never yields: one step runs it all
+        else:
+            self._run(self._seed())
 
-    def push(self, state: DecodeState, token_ids: Sequence[int]) -> str:
+    def push(self, token_ids: Sequence[int]) -> str:
         """Decode one chunk of generated ids; return the new text ("" if none is ready)."""
-        return self._run(self.push_steps(state, token_ids))
+        return self._run(self.push_steps(token_ids))
 
-    def push_steps(self, state: DecodeState, token_ids: Sequence[int]) -> PushSteps:
+    def push_steps(self, token_ids: Sequence[int]) -> PushSteps:
         """`push` as a generator of decode requests (see the module docstring)."""
         chunk, first_unknown = self._checked_chunk(token_ids)
         if not chunk:
             return ""
-        state.started = True
+        self.started = True
         if first_unknown < 0:
-            text = yield from self._push_known(state, chunk)
-            self._compact(state)
+            text = yield from self._push_known(chunk)
+            self._compact()
             return text
-        if state.unknown_generated_ids == "skip":
+        if self.unknown_generated_ids == "skip":
             # An unknown id decodes to nothing, so per-token pushing would never emit on it;
             # leaving it out of the window gives the same text (upstream #55240: zero-width).
             known = self.known
             chunk = [t for t in chunk if t < len(known) and known[t]]
             if not chunk:
                 return ""
-            text = yield from self._push_known(state, chunk)
-            self._compact(state)
+            text = yield from self._push_known(chunk)
+            self._compact()
             return text
         # Per-token semantics: the ids before the unknown one are pushed first, then it fails.
         before = chunk[:first_unknown]
-        partial = (yield from self._push_known(state, before)) if before else ""
+        partial = (yield from self._push_known(before)) if before else ""
         raise StrictDecodeError(chunk[first_unknown], partial)
 
-    def flush(self, state: DecodeState) -> str:
+    def flush(self) -> str:
         """At finish: the dangling tail (an unfinished character comes out as U+FFFD, as upstream).
 
         A stream that was never pushed a token returns "" and decodes nothing: the prompt is
         never emitted (upstream #47707).
         """
         tail = ""
-        if state.started and state.ids:
-            text = self.decode_one_now(state.ids)
-            tail = slice_from_byte(text, utf8_len(state.prefix))
-        if state.held:
-            tail = "".join(state.held) + tail
-        state.ids = []
-        state.prefix = ""
-        state.prefix_index = 0
-        state.started = True
-        state.held = []
+        if self.started:
+            if self.ids:
+                text = self.decode_one_now(self.ids)
+                tail = slice_from_byte(text, utf8_len(self.prefix))
+            if self.held:  # (held before any push: prompt text, never emitted)
+                tail = "".join(self.held) + tail
+        self.ids = []
+        self.prefix = ""
+        self.prefix_index = 0
+        self.started = True
+        self.held = []
         return tail
 
     # ----------------------------------------------------------------- decoding plumbing
 
-    def _run(self, steps: Generator[DecodeRequest, list[str], object]) -> object:  # type: ignore[type-arg]
+    def _run(self, steps: Generator[DecodeRequest, list[str], Result]) -> Result:
         """Drive a step generator with direct decodes (the single-stream driver)."""
         try:
             request = next(steps)
@@ -159,20 +175,20 @@ class ReferenceStrategy:
 
     # ----------------------------------------------------------------- hooks
 
-    def _settle(self, state: DecodeState) -> None:
+    def _settle(self) -> None:
         """After seeding or an emission: drop left context that no output depends on any more.
 
         The general algorithm cannot know that for an arbitrary decoder, so it keeps the window.
         """
 
-    def _compact(self, state: DecodeState) -> None:
+    def _compact(self) -> None:
         """After a push: drop skipped special tokens the window waits behind.
 
         `tokenizers` removes them before any decoder runs, so they change no decode; without this
         a run of them behind an unfinished character would grow the window by one id each.
         """
-        ids = state.ids
-        start = state.prefix_index
+        ids = self.ids
+        start = self.prefix_index
         if len(ids) - start > SAFE_SUFFIX_MAX and self.hidden:
             hidden = self.hidden
             kept = [t for t in ids[start:] if t not in hidden]
@@ -199,7 +215,7 @@ class ReferenceStrategy:
                 return chunk, position
         return chunk, -1
 
-    def _seed(self, state: DecodeState) -> Generator[DecodeRequest, list[str], None]:
+    def _seed(self) -> Generator[DecodeRequest, list[str], None]:
         """Turn the prompt into left context, as upstream `seed_prefix`
         (docs/decode-semantics.md, 'Seeding').
 
@@ -207,7 +223,7 @@ class ReferenceStrategy:
         and filters only when decode fails; `tokenizers` drops unknown ids itself, so decoding the
         filtered ids gives the same text.
         """
-        prompt = state.ids
+        prompt = self.ids
         n = len(prompt)
         if not n:
             return
@@ -223,7 +239,7 @@ class ReferenceStrategy:
                 if len(context) >= SAFE_SUFFIX_MIN:
                     text = decode(context)
                     if FFFD not in text:
-                        self._set_seed(state, suffix, context, text, len(context))
+                        self._set_seed(suffix, context, text, len(context))
                         return
         elif n > SAFE_SUFFIX_MIN:
             # All candidate suffixes in one request (they are tiny), then the shortest accepted.
@@ -235,12 +251,12 @@ class ReferenceStrategy:
             texts = yield from self._decode(contexts)
             for suffix, context, text in zip(suffixes, contexts, texts, strict=True):
                 if FFFD not in text and len(context) >= SAFE_SUFFIX_MIN:
-                    self._set_seed(state, suffix, context, text, len(context))
+                    self._set_seed(suffix, context, text, len(context))
                     return
         context = [t for t in prompt if t < size and known[t]]
         (text,) = yield from self._decode([context])
         if not text.endswith(FFFD):
-            self._set_seed(state, prompt, context, text, len(context))
+            self._set_seed(prompt, context, text, len(context))
             return
         # Deviation from upstream (docs/decode-semantics.md, 'A prompt ending mid-character'):
         # upstream leaves the prefix empty here, so the first emission repeats the whole prompt.
@@ -249,13 +265,12 @@ class ReferenceStrategy:
         for head_len in range(len(context) - 1, max(-1, len(context) - 1 - PROMPT_TAIL_PROBES), -1):
             (head,) = yield from self._decode([context[:head_len]])
             if not head.endswith(FFFD):
-                self._set_seed(state, prompt, context, head, head_len)
+                self._set_seed(prompt, context, head, head_len)
                 return
-        self._set_seed(state, prompt, context, text, len(context))
+        self._set_seed(prompt, context, text, len(context))
 
     def _set_seed(
         self,
-        state: DecodeState,
         source: list[int],
         context: list[int],
         prefix: str,
@@ -263,13 +278,13 @@ class ReferenceStrategy:
     ) -> None:
         known = self.known
         size = len(known)
-        state.filtered_prompt_ids = [t for t in source if not (t < size and known[t])]
-        state.ids = context
-        state.prefix = prefix
-        state.prefix_index = prefix_index
-        self._settle(state)
+        self.filtered_ids = [t for t in source if not (t < size and known[t])]
+        self.ids = context
+        self.prefix = prefix
+        self.prefix_index = prefix_index
+        self._settle()
 
-    def _push_known(self, state: DecodeState, chunk: list[int]) -> PushSteps:
+    def _push_known(self, chunk: list[int]) -> PushSteps:
         """Push ids that are all known; the text equals pushing them one at a time
         (docs/decode-semantics.md, 'Chunks').
 
@@ -278,7 +293,7 @@ class ReferenceStrategy:
         U+FFFD. Usually j is the whole chunk and one decode decides; only a chunk ending inside a
         character needs probes of shorter j.
         """
-        ids = state.ids
+        ids = self.ids
         base = len(ids)
         ids.extend(chunk)
         (text,) = yield from self._decode([ids])
@@ -290,13 +305,13 @@ class ReferenceStrategy:
             del ids[base:]
             parts = []
             for t in chunk:
-                parts.append((yield from self._push_known(state, [t])))
-                self._compact(state)
+                parts.append((yield from self._push_known([t])))
+                self._compact()
             return "".join(parts)
-        prefix_len = utf8_len(state.prefix)
+        prefix_len = utf8_len(self.prefix)
         if not text.endswith(FFFD):
             if utf8_len(text) > prefix_len:
-                return (yield from self._emit_at(state, len(ids), text))
+                return (yield from self._emit_at(len(ids), text))
             return ""
         if len(chunk) == 1:
             return ""
@@ -306,42 +321,42 @@ class ReferenceStrategy:
             for end in ends:
                 probe = decode(ids[:end])
                 if not probe.endswith(FFFD) and utf8_len(probe) > prefix_len:
-                    return (yield from self._emit_at(state, end, probe))
+                    return (yield from self._emit_at(end, probe))
             return ""
         probes = yield from self._decode([ids[:end] for end in ends])
         for end, probe in zip(ends, probes, strict=True):
             if not probe.endswith(FFFD) and utf8_len(probe) > prefix_len:
-                return (yield from self._emit_at(state, end, probe))
+                return (yield from self._emit_at(end, probe))
         return ""
 
-    def _emit_at(self, state: DecodeState, end: int, text: str) -> PushSteps:
+    def _emit_at(self, end: int, text: str) -> PushSteps:
         """Emit `text` (= decode(ids[:end])) beyond the prefix; slide the window to `ids[old:]`."""
-        new = slice_from_byte(text, utf8_len(state.prefix))
-        old = state.prefix_index
-        if self.profile.has_byte_fallback and self._ends_in_byte_run(state, end):
-            old = yield from self._previous_emission(state, old, end, text)
-        if self.profile.reuse_prefix and not state.prefix.endswith(FFFD):
+        new = slice_from_byte(text, utf8_len(self.prefix))
+        old = self.prefix_index
+        if self.profile.has_byte_fallback and self._ends_in_byte_run(end):
+            old = yield from self._previous_emission(old, end, text)
+        if self.profile.reuse_prefix and not self.prefix.endswith(FFFD):
             # Context-independent decoder and a clean split at `old`: decode(ids[old:end]) is
             # exactly the text just emitted, so the second decode is skipped.
             prefix = new
         else:
-            (prefix,) = yield from self._decode([state.ids[old:end]])
-        del state.ids[:old]
-        state.prefix = prefix
-        state.prefix_index = end - old
-        if state.held:
-            new = "".join(state.held) + new
-            state.held = []
-        self._settle(state)
+            (prefix,) = yield from self._decode([self.ids[old:end]])
+        del self.ids[:old]
+        self.prefix = prefix
+        self.prefix_index = end - old
+        if self.held:
+            new = "".join(self.held) + new
+            self.held = []
+        self._settle()
         return new
 
-    def _ends_in_byte_run(self, state: DecodeState, end: int) -> bool:
+    def _ends_in_byte_run(self, end: int) -> bool:
         """Whether the last *visible* id of `ids[:end]` is a `<0xNN>` byte token.
 
         Skipped specials vanish before the decoder runs, so a byte run continues across them:
         an emission ending "byte, skipped special" still ends inside a run.
         """
-        ids = state.ids
+        ids = self.ids
         hidden = self.hidden
         k = end - 1
         while k >= 0 and ids[k] in hidden:
@@ -349,7 +364,7 @@ class ReferenceStrategy:
         return k >= 0 and bool(self.profile.byte_token[ids[k]])
 
     def _previous_emission(
-        self, state: DecodeState, old: int, end: int, text: str
+        self, old: int, end: int, text: str
     ) -> Generator[DecodeRequest, list[str], int]:
         """Where per-token pushing would have emitted last before `end` (or `old` if nowhere).
 
@@ -361,10 +376,10 @@ class ReferenceStrategy:
         is clean and strictly between the prefix and `text` in length (the chunk's decode holds
         no U+FFFD, so texts grow monotonically within it).
         """
-        prefix_len = utf8_len(state.prefix)
+        prefix_len = utf8_len(self.prefix)
         target = utf8_len(text)
         for k in range(end - 1, old, -1):
-            (probe,) = yield from self._decode([state.ids[:k]])
+            (probe,) = yield from self._decode([self.ids[:k]])
             if probe.endswith(FFFD):
                 continue
             length = utf8_len(probe)

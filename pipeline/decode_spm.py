@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import accumulate
 from operator import itemgetter
+from typing import Any
 
-from pipeline.decode_reference import SAFE_SUFFIX_MAX, ReferenceStrategy
-from pipeline.decode_state import DecodeState, slice_from_byte, utf8_len
+from pipeline.decode_reference import SAFE_SUFFIX_MAX, ReferenceStream
+from pipeline.decode_state import slice_from_byte, utf8_len
 from pipeline.vocab_tables import EMPTY_TOKEN_PIECE, FFFD, TokenizerProfile
 
 # Compaction looks at the window only once it holds more ids than this: an unfinished character
@@ -31,34 +32,39 @@ COMPACT_ABOVE = 8
 NEVER_VALID = bytes([0xC0, 0xC1, *range(0xF5, 0x100)])
 
 
-class SpmByteFallbackStrategy(ReferenceStrategy):
+class SpmByteFallbackStream(ReferenceStream):
     """The Llama-2 chain: byte-offset arithmetic while the bytes are valid, dead runs held."""
 
-    def __init__(self, profile: TokenizerProfile, skip_special_tokens: bool) -> None:
-        super().__init__(profile, skip_special_tokens)
-        # id -> piece bytes (None = unknown) under this skip flag; see `TokenizerProfile`.
-        self.table: list[bytes | None] = profile.spm_table[skip_special_tokens]
-        self.dead_id = next(
+    __slots__ = ()
+
+    table: list[bytes | None]  # id -> piece bytes (None = unknown); see `TokenizerProfile`
+    dead_id: int | None  # a byte token that is never valid UTF-8 (e.g. `<0xFF>`), if any
+
+    @classmethod
+    def _class_attributes(cls, profile: TokenizerProfile, skip: bool) -> dict[str, Any]:
+        table = profile.spm_table[skip]
+        dead_id = next(
             (
                 i
-                for i, piece in enumerate(self.table)
+                for i, piece in enumerate(table)
                 if profile.byte_token[i]
                 and piece is not None
-                and piece in NEVER_VALID
                 and len(piece) == 1
+                and piece in NEVER_VALID
             ),
             None,
         )
+        return super()._class_attributes(profile, skip) | {"table": table, "dead_id": dead_id}
 
-    def push(self, state: DecodeState, token_ids: Sequence[int]) -> str:
+    def push(self, token_ids: Sequence[int]) -> str:
         chunk = token_ids if type(token_ids) is list else list(token_ids)
         if chunk:
-            text = self._push_spm(state, chunk)
+            text = self._push_spm(chunk)
             if text is not None:
                 return text
-        return super().push(state, chunk)
+        return super().push(chunk)
 
-    def _push_spm(self, state: DecodeState, chunk: list[int]) -> str | None:
+    def _push_spm(self, chunk: list[int]) -> str | None:
         """The chain's push in byte arithmetic, or None to take the reference path.
 
         While the bytes of window + chunk are valid UTF-8 (possibly missing the end of a last
@@ -79,11 +85,11 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
             fresh_raw = b"".join(fresh)  # an unknown id (None) raises TypeError here
         except (TypeError, IndexError):  # not an int, past the table, or unknown
             return None
-        ids = state.ids
-        prefix_index = state.prefix_index
-        if not prefix_index or state.prefix.endswith(FFFD):
+        ids = self.ids
+        prefix_index = self.prefix_index
+        if not prefix_index or self.prefix.endswith(FFFD):
             return None
-        state.started = True
+        self.started = True
         base = len(ids)
         held = itemgetter(*ids)(table) if base > 1 else (table[ids[0]],)
         raw = b"".join(held) + fresh_raw
@@ -104,9 +110,9 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
         size = len(ends)
         last = _emission_point(ends, raw, complete, base, size, floor)
         if last is None:
-            state.ids = ids + chunk
-            if len(state.ids) > COMPACT_ABOVE:
-                self._compact(state)
+            self.ids = ids + chunk
+            if len(self.ids) > COMPACT_ABOVE:
+                self._compact()
             return ""
         before = _emission_point(ends, raw, complete, base, last - 1, floor)
         start = prefix_index if before is None else before
@@ -115,12 +121,12 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
             prefix, new = text[first:stop], text[floor:stop]
         else:
             prefix, new = raw[first:stop].decode("utf-8"), raw[floor:stop].decode("utf-8")
-        state.ids = chunk[start - base :] if start >= base else ids[start:] + chunk
-        state.prefix = prefix[1:] if prefix[:1] == " " else prefix
-        state.prefix_index = last - start
+        self.ids = chunk[start - base :] if start >= base else ids[start:] + chunk
+        self.prefix = prefix[1:] if prefix[:1] == " " else prefix
+        self.prefix_index = last - start
         return new
 
-    def _compact(self, state: DecodeState) -> None:
+    def _compact(self) -> None:
         """Drop skipped specials behind the prefix; then, if the window ends in a dead byte run,
         hold its text and replace the run by one always-invalid byte token.
 
@@ -130,26 +136,26 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
         reference algorithm, nothing is emitted while the text ends in U+FFFD, so the held text
         waits; it needs to reach at least the prefix's length for the comparisons to carry over.
         """
-        if len(state.ids) <= COMPACT_ABOVE:
+        if len(self.ids) <= COMPACT_ABOVE:
             return
-        super()._compact(state)
+        super()._compact()
         dead = self.dead_id
-        ids = state.ids
+        ids = self.ids
         if dead is None or len(ids) <= COMPACT_ABOVE:
             return
         if not self._ends_in_dead_run(ids):
             return
         text = self.decode_one_now(ids)
         head = text[:-1]  # the run's last U+FFFD is kept, spelled by the dead token
-        prefix_len = utf8_len(state.prefix)
+        prefix_len = utf8_len(self.prefix)
         if utf8_len(head) < prefix_len:
             return
         held = slice_from_byte(head, prefix_len)
         if held:
-            state.held.append(held)
-        state.ids = [dead]
-        state.prefix = ""
-        state.prefix_index = 0
+            self.held.append(held)
+        self.ids = [dead]
+        self.prefix = ""
+        self.prefix_index = 0
 
     def _ends_in_dead_run(self, ids: list[int]) -> bool:
         """Whether `ids` ends in a byte run whose bytes are invalid whatever follows (the run's
@@ -173,7 +179,7 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
             return error.reason != "unexpected end of data"
         return False
 
-    def _settle(self, state: DecodeState) -> None:
+    def _settle(self) -> None:
         """A long seeded context (the full-prompt fallback): keep it from its last text piece on.
 
         At a visible non-byte token t with text, the chain splits: decode(ids + more) =
@@ -181,24 +187,29 @@ class SpmByteFallbackStrategy(ReferenceStrategy):
         and the leading-space Strip happens before or at t either way). So the context before t
         changes no comparison, only shifts them all by len(A).
         """
-        ids = state.ids
-        if len(ids) <= SAFE_SUFFIX_MAX or state.prefix_index < 2:
-            return
-        table = self.table
-        byte_token = self.profile.byte_token
-        if state.prefix_index == len(ids) and self._ends_in_dead_run(ids):
+        ids = self.ids
+        if len(ids) > SAFE_SUFFIX_MAX and self.prefix_index >= 2:
+            self._cut_context(ids)
+        # A seed whose clean head left a tail behind it (a dead run, say): the same compaction
+        # as after a push. Its held text is prompt text, emitted only once a token is pushed.
+        self._compact()
+
+    def _cut_context(self, ids: list[int]) -> None:
+        if self.prefix_index == len(ids) and self._ends_in_dead_run(ids):
             # The prefix covers a window ending in a dead run: decode(ids + more) =
             # prefix[:-1] + decode([dead] + more), so one dead token with its U+FFFD as prefix
             # shifts every comparison by the same length.
-            state.ids = [self.dead_id]  # type: ignore[list-item]  # set when a run can be dead
-            state.prefix = FFFD
-            state.prefix_index = 1
+            self.ids = [self.dead_id]  # type: ignore[list-item]  # set when a run can be dead
+            self.prefix = FFFD
+            self.prefix_index = 1
             return
-        for k in range(state.prefix_index - 1, 0, -1):
+        table = self.table
+        byte_token = self.profile.byte_token
+        for k in range(self.prefix_index - 1, 0, -1):
             piece = table[ids[k]]
             if piece and piece != EMPTY_TOKEN_PIECE and not byte_token[ids[k]]:
-                state.prefix = self.decode_one_now(ids[k : state.prefix_index])
-                state.prefix_index -= k
+                self.prefix = self.decode_one_now(ids[k : self.prefix_index])
+                self.prefix_index -= k
                 del ids[:k]
                 return
 

@@ -1,21 +1,24 @@
 """The state every decode strategy shares, its snapshot format, and the stream's errors.
 
 One state for all strategies (`pipeline.decode_reference`, `pipeline.decode_byte_level`,
-`pipeline.decode_spm`), so a snapshot taken under one tokenizer build restores under any, and the
-changelog has one format. The rules the fields follow are in docs/decode-semantics.md.
+`pipeline.decode_spm`), so the changelog has one format whichever decoder a model has. The rules
+the fields follow are in docs/decode-semantics.md.
 """
 
 from __future__ import annotations
 
 import operator
 from array import array
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Generator, Sequence
+from typing import Any, Literal, NamedTuple
 
 U32 = 1 << 32
 SNAPSHOT_VERSION = 2
 
 UnknownPolicy = Literal["error", "skip"]
+# What a push generator yields: sequences to decode; it is sent their texts, in the same order.
+DecodeRequest = list[list[int]]
+PushSteps = Generator[DecodeRequest, list[str], str]
 
 
 class InvalidTokenIdError(ValueError):
@@ -37,8 +40,9 @@ class StrictDecodeError(Exception):
 
 class SnapshotFormatError(ValueError):
     """A snapshot that is not one this module wrote: wrong version, missing or mistyped field, or
-    fields that contradict each other. Raised by `DecodeState.from_snapshot` before any state is
-    built, so a caller can turn it into its own restore failure."""
+    fields that contradict each other. Raised by `read_snapshot` (so by
+    `DecodeStream.from_snapshot`) before any state is built, so a caller can turn it into its own
+    restore failure."""
 
 
 def utf8_len(text: str) -> int:
@@ -96,6 +100,10 @@ def validated_ids(token_ids: Sequence[Any]) -> list[int]:
 class DecodeState:
     """Everything one request's decode remembers (see docs/decode-semantics.md, 'State').
 
+    The base of every stream class: the fields are slots of the stream itself, so the fast paths
+    read them with no indirection. The tokenizer and `skip_special_tokens` are class attributes
+    of the stream class specialized for that tokenizer and flag (`pipeline.decode_stream`).
+
     - `ids`: the window: left context (`ids[:prefix_index]`) plus ids not emitted yet. Seeding
       runs at construction, so it never holds the whole prompt past that.
     - `prefix`: decode of `ids[:prefix_index]`, text already accounted for.
@@ -105,42 +113,36 @@ class DecodeState:
       waiting (the text ends in U+FFFD), as a list of parts (appending stays linear). The window
       was cut behind it so an invalid byte run costs constant work per id; when `held` is not
       empty, `prefix` is "" and `prefix_index` 0.
-    - `filtered_prompt_ids`: prompt ids the tokenizer cannot map, dropped while seeding.
+    - `filtered_ids`: prompt ids the tokenizer cannot map, dropped while seeding.
     """
 
     __slots__ = (
-        "skip_special_tokens",
         "unknown_generated_ids",
         "ids",
         "prefix",
         "prefix_index",
         "started",
         "held",
-        "filtered_prompt_ids",
+        "filtered_ids",
     )
 
-    def __init__(
-        self,
-        ids: list[int],
-        *,
-        skip_special_tokens: bool,
-        unknown_generated_ids: UnknownPolicy,
-    ) -> None:
+    skip_special_tokens: bool
+
+    def _init_state(self, ids: list[int], unknown_generated_ids: UnknownPolicy) -> None:
         if unknown_generated_ids not in ("error", "skip"):
             raise ValueError(
                 f"unknown_generated_ids must be 'error' or 'skip', not {unknown_generated_ids!r}"
             )
-        self.skip_special_tokens = bool(skip_special_tokens)
         self.unknown_generated_ids: UnknownPolicy = unknown_generated_ids
         self.ids = ids
         self.prefix = ""
         self.prefix_index = 0
         self.started = False
         self.held: list[str] = []
-        self.filtered_prompt_ids: list[int] = []
+        self.filtered_ids: list[int] = []
 
     def snapshot(self) -> dict[str, Any]:
-        """The whole state as JSON-able plain values (for a changelog); see `from_snapshot`."""
+        """The whole state as JSON-able plain values (for a changelog); see `read_snapshot`."""
         return {
             "version": SNAPSHOT_VERSION,
             "skip_special_tokens": self.skip_special_tokens,
@@ -150,51 +152,74 @@ class DecodeState:
             "prefix_index": self.prefix_index,
             "started": self.started,
             "held": "".join(self.held),
-            "filtered_prompt_ids": array("I", self.filtered_prompt_ids).tolist(),
+            "filtered_prompt_ids": array("I", self.filtered_ids).tolist(),
         }
 
-    @classmethod
-    def from_snapshot(cls, data: Any) -> DecodeState:
-        """The state of a `snapshot()`, or SnapshotFormatError for anything else.
-
-        Version 1 (before seeding moved to construction) is read too: its `prefix_seeded` is
-        `started`, and it held no text. An unseeded version 1 snapshot carries the whole prompt
-        in `ids` and must be seeded again (`needs_seeding`); `DecodeStream.from_snapshot` does.
-        """
-        if not isinstance(data, dict):
-            raise SnapshotFormatError(f"a decode snapshot is an object, not {type(data).__name__}")
-        version = data.get("version")
-        if version not in (1, SNAPSHOT_VERSION) or type(version) is not int:
-            raise SnapshotFormatError(f"unsupported decode snapshot version: {version!r}")
-        skip = _field(data, "skip_special_tokens", bool)
-        policy = _field(data, "unknown_generated_ids", str)
-        if policy not in ("error", "skip"):
-            raise SnapshotFormatError(f"unknown_generated_ids is not 'error' or 'skip': {policy!r}")
-        try:
-            ids = validated_ids(_field(data, "ids", list))
-            filtered = validated_ids(_field(data, "filtered_prompt_ids", list))
-        except InvalidTokenIdError as error:
-            raise SnapshotFormatError(f"snapshot ids: {error}") from None
-        state = cls(ids, skip_special_tokens=skip, unknown_generated_ids=policy)  # type: ignore[arg-type]
-        state.prefix = _field(data, "prefix", str)
-        state.prefix_index = _field(data, "prefix_index", int)
-        if version == 1:
-            state.started = _field(data, "prefix_seeded", bool)
-        else:
-            state.started = _field(data, "started", bool)
-            held = _field(data, "held", str)
-            state.held = [held] if held else []
-        state.filtered_prompt_ids = filtered
-        if not 0 <= state.prefix_index <= len(ids):
-            raise SnapshotFormatError("snapshot prefix_index is outside its window")
-        if state.held and (state.prefix or state.prefix_index):
-            raise SnapshotFormatError("snapshot holds text beside a prefix")
-        return state
+    def _restore_state(self, data: Snapshot) -> None:
+        self._init_state(data.ids, data.unknown_generated_ids)
+        self.prefix = data.prefix
+        self.prefix_index = data.prefix_index
+        self.started = data.started
+        self.held = [data.held] if data.held else []
+        self.filtered_ids = data.filtered_prompt_ids
 
 
-def needs_seeding(data: dict[str, Any]) -> bool:
-    """Whether a (valid) snapshot is a version 1 stream that never seeded: `ids` is its prompt."""
-    return data.get("version") == 1 and data.get("prefix_seeded") is False
+class Snapshot(NamedTuple):
+    """A checked snapshot. `needs_seeding`: a version 1 stream that never seeded (`ids` is its
+    prompt), restored by seeding it again."""
+
+    skip_special_tokens: bool
+    unknown_generated_ids: UnknownPolicy
+    ids: list[int]
+    prefix: str
+    prefix_index: int
+    started: bool
+    held: str
+    filtered_prompt_ids: list[int]
+    needs_seeding: bool
+
+
+def read_snapshot(data: Any) -> Snapshot:
+    """The fields of a `snapshot()`, or SnapshotFormatError for anything else.
+
+    Version 1 (before seeding moved to construction) is read too: its `prefix_seeded` is
+    `started`, and it held no text.
+    """
+    if not isinstance(data, dict):
+        raise SnapshotFormatError(f"a decode snapshot is an object, not {type(data).__name__}")
+    version = data.get("version")
+    if type(version) is not int or version not in (1, SNAPSHOT_VERSION):
+        raise SnapshotFormatError(f"unsupported decode snapshot version: {version!r}")
+    skip = _field(data, "skip_special_tokens", bool)
+    policy = _field(data, "unknown_generated_ids", str)
+    if policy not in ("error", "skip"):
+        raise SnapshotFormatError(f"unknown_generated_ids is not 'error' or 'skip': {policy!r}")
+    try:
+        ids = validated_ids(_field(data, "ids", list))
+        filtered = validated_ids(_field(data, "filtered_prompt_ids", list))
+    except InvalidTokenIdError as error:
+        raise SnapshotFormatError(f"snapshot ids: {error}") from None
+    prefix = _field(data, "prefix", str)
+    prefix_index = _field(data, "prefix_index", int)
+    if version == 1:
+        started, held = _field(data, "prefix_seeded", bool), ""
+    else:
+        started, held = _field(data, "started", bool), _field(data, "held", str)
+    if not 0 <= prefix_index <= len(ids):
+        raise SnapshotFormatError("snapshot prefix_index is outside its window")
+    if held and (prefix or prefix_index):
+        raise SnapshotFormatError("snapshot holds text beside a prefix")
+    return Snapshot(
+        skip_special_tokens=skip,
+        unknown_generated_ids=policy,  # type: ignore[arg-type]  # checked above
+        ids=ids,
+        prefix=prefix,
+        prefix_index=prefix_index,
+        started=started,
+        held=held,
+        filtered_prompt_ids=filtered,
+        needs_seeding=version == 1 and not started,
+    )
 
 
 def _field(data: dict[str, Any], name: str, kind: type) -> Any:

@@ -114,31 +114,32 @@ class TokenizerProfile:
     # flag; Llama-2 chain only. The chain's output is the strict decode of the pieces'
     # concatenation whenever that is valid UTF-8.
     spm_table: dict[bool, list[bytes | None]]
-    # The decode strategy of each skip flag, built on first use by `pipeline.decode_stream` (a
-    # strategy holds only per-tokenizer tables, so every stream of the tokenizer shares it).
+    # The stream class of each skip flag, specialized on first use by `pipeline.decode_stream`
+    # (its class attributes are this tokenizer's tables, shared by every stream of it).
     strategies: dict[bool, Any] = field(default_factory=dict)
 
 
-_PROFILES: dict[int, TokenizerProfile] = {}
+# Keyed by id(tokenizer); read directly by `DecodeStream` construction (a hit costs no call).
+PROFILES: dict[int, TokenizerProfile] = {}
 _LOCK = threading.Lock()
 
 
 def profile_for(tokenizer: Tokenizer) -> TokenizerProfile:
     """The cached profile of `tokenizer`, built on first use."""
-    profile = _PROFILES.get(id(tokenizer))
+    profile = PROFILES.get(id(tokenizer))
     if profile is None:
         with _LOCK:
-            profile = _PROFILES.get(id(tokenizer))
+            profile = PROFILES.get(id(tokenizer))
             if profile is None:
                 profile = build_profile(tokenizer)
-                _PROFILES[id(tokenizer)] = profile
+                PROFILES[id(tokenizer)] = profile
     return profile
 
 
 def register_profile(profile: TokenizerProfile) -> None:
     """Install a profile explicitly (tests force the FFI path on a pure-decodable tokenizer)."""
     with _LOCK:
-        _PROFILES[id(profile.tokenizer)] = profile
+        PROFILES[id(profile.tokenizer)] = profile
 
 
 def build_profile(tokenizer: Tokenizer, *, allow_pure: bool = True) -> TokenizerProfile:

@@ -114,7 +114,7 @@ def test_snapshot_restore_continues_identically(name: str, ffi: bool) -> None:
             texts_plain.append(plain.push(chunk))
             texts_restored.append(restored.push(chunk))
             # Bounded: the window never holds more than the prompt plus this stream's generation.
-            assert len(restored.state.ids) <= len(prompt) + sum(map(len, chunks))
+            assert len(restored.ids) <= len(prompt) + sum(map(len, chunks))
         if data.draw(st.booleans()):
             restored = DecodeStream.from_snapshot(tok, json.loads(json.dumps(restored.snapshot())))
         assert texts_restored == texts_plain
@@ -218,7 +218,9 @@ def test_long_invalid_runs_equal_per_token_and_stay_bounded(name: str, ffi: bool
     """docs/decode-semantics.md, 'Linear cost': a run of invalid bytes is held, not windowed."""
     tok = tokenizer(name, ffi)
 
-    @SETTINGS
+    # More examples than the others: the cases that matter (a seed leaving a long tail, a run
+    # crossing chunk boundaries) are a small part of the space.
+    @settings(SETTINGS, max_examples=400)
     @given(run_ids(name), run_ids(name), st.lists(st.integers(0, 80), max_size=8), st.booleans())
     def check(prompt, generated, cuts, skip) -> None:
         cuts = sorted(c for c in cuts if c <= len(generated))
@@ -232,7 +234,7 @@ def test_long_invalid_runs_equal_per_token_and_stay_bounded(name: str, ffi: bool
             assert out == (cumulative[count - 1] if count else "")
             if not ffi:
                 # Pure strategies cut the window behind final text; the generic path cannot.
-                assert len(stream.state.ids) <= 16
+                assert len(stream.ids) <= 16
             if data_roundtrip := json.loads(json.dumps(stream.snapshot())):
                 stream = DecodeStream.from_snapshot(tok, data_roundtrip)
         assert out + stream.flush() == (cumulative[-1] if cumulative else "") + tail

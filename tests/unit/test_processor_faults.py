@@ -13,6 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.decode_byte_level import ByteLevelStream
+from pipeline.decode_reference import ReferenceStream
+from pipeline.decode_spm import SpmByteFallbackStream
 from pipeline.decode_stream import DecodeStream
 from pipeline.processor import RequestProcessor
 from pipeline.request_state import json_size
@@ -40,22 +43,21 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> TokenizerRegistry:
 def broken_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
     """Streams whose id is in the yielded set raise from `push` (a decoder bug)."""
     broken: set[int] = set()
-    push, push_steps = DecodeStream.push, DecodeStream.push_steps
 
-    def check(stream: DecodeStream) -> None:
-        if id(stream) in broken:
-            raise RuntimeError("decoder bug")
+    def breaking(method):
+        def wrapper(self: DecodeStream, token_ids):
+            if id(self) in broken:
+                raise RuntimeError("decoder bug")
+            return method(self, token_ids)
 
-    def broken_push(self: DecodeStream, token_ids):
-        check(self)
-        return push(self, token_ids)
+        return wrapper
 
-    def broken_push_steps(self: DecodeStream, token_ids):
-        check(self)
-        return push_steps(self, token_ids)
-
-    monkeypatch.setattr(DecodeStream, "push", broken_push)
-    monkeypatch.setattr(DecodeStream, "push_steps", broken_push_steps)
+    # Each decode strategy is a DecodeStream subclass with its own `push` (and the reference
+    # one's `push_steps`): break them where they are defined.
+    for cls in (ReferenceStream, ByteLevelStream, SpmByteFallbackStream):
+        for name in ("push", "push_steps"):
+            if name in vars(cls):
+                monkeypatch.setattr(cls, name, breaking(vars(cls)[name]))
     yield broken
 
 
