@@ -7,9 +7,8 @@ them. `Origin` is the one thing the processor needs of where an event came from.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, encode_json
 
@@ -34,7 +33,7 @@ class Origin(Protocol):
     @property
     def offset(self) -> int: ...
     @property
-    def value(self) -> bytes: ...
+    def value(self) -> bytes | None: ...
     @property
     def key(self) -> bytes | None: ...
     @property
@@ -61,20 +60,6 @@ class EventOrigin:
     headers: tuple[Header, ...] = ()
     timestamp_ms: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """Plain JSON values (bytes as base64, a null header value as null)."""
-        return {
-            "source": self.source,
-            "partition": self.partition,
-            "offset": self.offset,
-            "value": base64.b64encode(self.value).decode(),
-            "key": None if self.key is None else base64.b64encode(self.key).decode(),
-            "headers": [
-                [k, None if v is None else base64.b64encode(v).decode()] for k, v in self.headers
-            ],
-            "timestamp_ms": self.timestamp_ms,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
@@ -94,7 +79,7 @@ class DeadLetter:
     synthetic_value: bytes = b""
 
     @property
-    def value(self) -> bytes:
+    def value(self) -> bytes | None:
         return self.origin.value if self.origin is not None else self.synthetic_value
 
 
@@ -153,8 +138,3 @@ class BatchResult:
     decoded_tokens: int = 0
     # Request ids whose state changed (or was removed): the worker snapshots exactly these.
     touched: set[str] = field(default_factory=set)
-
-    @property
-    def metrics(self) -> list[FilteredIdsRecord]:
-        """The name before issue 10; the worker's room switches to `filtered_ids` at merge."""
-        return self.filtered_ids

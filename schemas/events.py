@@ -113,10 +113,6 @@ class FilteredIdsRecord(_Wire):
     prompt_tokens: Annotated[int, Field(ge=0)]
 
 
-# The name before issue 10; the worker's room switches to `FilteredIdsRecord` at merge.
-FilteredIdsMetric = FilteredIdsRecord
-
-
 class DeadLetterReason(StrEnum):
     """Why a record went to the dead-letter topic: a bounded set, also a metric label."""
 

@@ -32,8 +32,9 @@ class KafkaOrigin:
         return self.message.offset() or 0
 
     @property
-    def value(self) -> bytes:
-        return self.message.value() or b""
+    def value(self) -> bytes | None:
+        # None for a tombstone: its dead letter is a tombstone too, not an empty record.
+        return self.message.value()
 
     @property
     def key(self) -> bytes | None:

@@ -2,7 +2,7 @@
 
 A record its topic refuses as too large used to be a fatal producer error, repeated on every
 restart. Here it fails only what it belongs to, keeps a reference to the input, and the stream
-goes on (issue 16 item 2). The check runs before producing (the topic limits read at start,
+goes on. The check runs before producing (the topic limits read at start,
 workers/output_limits.py); a refusal librdkafka still reports synchronously takes the same path.
 """
 

@@ -426,6 +426,10 @@ class Worker:
         self.metrics.observe_commit(outcome.seconds, outcome.committed)
         self.metrics.active_requests.set(self.processor.active_requests)
         if outcome.rollback:
+            # Retrying a batch aborted because a pipeline topic was deleted aborts again, forever
+            # (each retry writes to the same missing topic): that is fatal, and named.
+            if self._missing_topics():
+                raise FatalWorkerError("the transaction was aborted")
             self._rollback()
         # The outputs are out; only the offsets were refused, by a rebalance. Partitions we kept
         # (cooperative rebalances keep most) offer them again with the next commit: dropped, an

@@ -31,7 +31,8 @@ from workers import broker
 
 # Every wait in these tests polls until the awaited event happens; this bound only turns a hang
 # into a failure. A healthy single-node broker delivers within a second or two, and a consumer
-# group's first assignment within a few; 60 s leaves room for a loaded 2-core CI machine.
+# group's first assignment within a few; 60 s leaves room for a
+# CI machine whose cores the broker, the workers and the test share.
 WAIT_BOUND_S = 60.0
 # Docker's ping answers in milliseconds when an engine runs; when none does the socket is absent
 # and the call fails at once. 3 s only guards against a wedged engine.

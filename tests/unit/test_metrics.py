@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.processor import BatchResult
-from schemas.events import Completion, DeadLetterReason, FilteredIdsMetric
+from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord
 from workers.prometheus import EVENT_TYPES, PrometheusMetrics
 
 MODELS = ("gpt2", "qwen2")
@@ -86,8 +86,8 @@ def test_a_batch_and_its_outputs_are_counted_once() -> None:
             generated_tokens=40, filtered_prompt_ids=[151700, 151800],
         )
     )  # fmt: skip
-    result.metrics.append(
-        FilteredIdsMetric(
+    result.filtered_ids.append(
+        FilteredIdsRecord(
             request_id="r1", model="qwen2", filtered_ids=[151700, 151800], filtered_count=2,
             prompt_tokens=3,
         )

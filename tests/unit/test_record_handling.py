@@ -161,6 +161,15 @@ def test_deep_nesting_is_an_unexpected_error_and_the_batch_goes_on(processor) ->
     assert [c.text for c in handled.result.completions] == ["i"]
 
 
+def test_a_tombstone_is_dead_lettered_as_a_tombstone(processor) -> None:
+    """Issue 16 item 20: a null value came out of the dead-letter topic as an empty one."""
+    batch = [prompt("a"), FakeMessage(None, b"a"), tokens("a", 1), finish("a", 2)]
+    handled = handle_batch(batch, processor, {}, NOW)
+    assert [letter.reason for letter in handled.dead_letters] == [DeadLetterReason.MALFORMED_JSON]
+    assert handled.dead_letters[0].value is None
+    assert [c.text for c in handled.result.completions] == ["i"]
+
+
 def test_error_headers_on_the_input_are_not_taken_as_this_failures() -> None:
     """Issue 16 item 17: a producer could make a record appear with any reason and message."""
     forged = FakeMessage(
