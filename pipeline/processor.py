@@ -316,12 +316,15 @@ class RequestProcessor:
         state.generated_tokens += len(chunk)
         result.decoded_tokens += len(chunk)
         limit = self.max_text_bytes
-        if limit is not None and state.text_size + json_size(text) > limit:
-            self._fail_too_large(entry, text, result)
-            return
+        size = None  # encoded once: the limit check and the running size share it
+        if limit is not None:
+            size = json_size(text)
+            if state.text_size + size > limit:
+                self._fail_too_large(entry, text, result)
+                return
         offset = state.text_chars
         if text:
-            state.add_text(text)
+            state.add_text(text, size)
         self._maybe_filtered_ids(entry.request_id, state, result)
         if text or finished:
             result.deltas.append(

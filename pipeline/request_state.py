@@ -148,12 +148,13 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     held: dict[int, HeldEvent] = {}
     held_bytes: int = 0  # the size of the held events' records, bounded by `max_held_bytes`
 
-    def add_text(self, text: str) -> None:
+    def add_text(self, text: str, size: int | None = None) -> None:
+        """Append `text`; `size` is its `json_size` when the caller has it already."""
         if not text:
             return
         self.text_parts.append(text)
         self.text_chars += len(text)
-        self.text_size += json_size(text)
+        self.text_size += json_size(text) if size is None else size
 
     def text(self) -> str:
         """The whole text. The join is kept as the one part, so parts never pile up between

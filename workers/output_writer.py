@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from pipeline.dead_letter_reasons import REASONS
 from pipeline.processor import DeadLetter
 from schemas.events import DeadLetterReason
 from workers.checkpointing import FatalWorkerError, Output, describe_error
@@ -153,7 +154,7 @@ class OutputWriter:
         log.warning("%s (request %s)", message, request_id)
         letter = DeadLetter(
             DeadLetterReason.OUTPUT_TOO_LARGE,
-            "RecordTooLarge",
+            REASONS[DeadLetterReason.OUTPUT_TOO_LARGE].error_class_name,
             message,
             request_id,
             None,

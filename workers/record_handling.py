@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pipeline.dead_letter_reasons import REASONS
 from pipeline.processor import BatchResult, DeadLetter
 from schemas.events import DeadLetterReason
 from schemas.fast_events import ParsedEvent
@@ -88,7 +89,7 @@ def parse_record(
         if key is not None and key != request_id.encode():
             return DeadLetter(
                 DeadLetterReason.KEY_MISMATCH,
-                "KeyMismatch",
+                REASONS[DeadLetterReason.KEY_MISMATCH].error_class_name,
                 f"record key {key[:200]!r} is not the event's request_id {request_id!r}",
                 request_id,
                 seq,
@@ -99,7 +100,7 @@ def parse_record(
         if owner is not None and owner != partition:
             return DeadLetter(
                 DeadLetterReason.PARTITION_MISMATCH,
-                "PartitionMismatch",
+                REASONS[DeadLetterReason.PARTITION_MISMATCH].error_class_name,
                 f"request {request_id!r} is owned by input partition {owner}, "
                 f"this event came on partition {partition}",
                 request_id,
