@@ -27,7 +27,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
-from tests.integration.worker_harness import models
+from tests.integration.worker_harness import models, read_messages
 from workers.topics import TopicNames
 
 # A worker given `--exit-when-idle` stops a few seconds after its input is drained; on a loaded
@@ -445,44 +445,16 @@ def read_records(bootstrap: str, topic: str) -> list[ReadRecord]:
     transaction's commit marker takes an offset of every partition it wrote, so a gap between
     two records' offsets is a transaction boundary.
     """
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": unique_name("reader"),
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "enable.auto.commit": False,
-        }
-    )
-    records = []
-    try:
-        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        remaining = set(partitions)
-        deadline = time.monotonic() + WAIT_BOUND_S
-        while remaining:
-            if time.monotonic() > deadline:
-                pytest.fail(f"could not read {topic} to its end within the wait bound")
-            message = consumer.poll(0.5)
-            if message is None:
-                continue
-            if message.error():
-                if message.error().code() == KafkaError._PARTITION_EOF:
-                    remaining.discard(message.partition())
-                    continue
-                pytest.fail(f"read error: {message.error()}")
-            records.append(
-                ReadRecord(
-                    message.partition(),
-                    message.offset(),
-                    message.key(),
-                    message.value(),
-                    message.headers() or [],
-                )
-            )
-    finally:
-        consumer.close()
-    return records
+    return [
+        ReadRecord(
+            message.partition(),
+            message.offset(),
+            message.key(),
+            message.value(),
+            message.headers() or [],
+        )
+        for message in read_messages(bootstrap, topic)
+    ]
 
 
 def process_rss_bytes(pid: int) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from tokenizers import Tokenizer
 
 from pipeline.offline import run_generations
@@ -181,8 +181,8 @@ def stop(process: subprocess.Popen) -> int:
     return wait_exit(process)
 
 
-def read_topic(bootstrap: str, topic: str) -> Iterator[tuple[bytes | None, bytes | None, list]]:
-    """Every committed record of a topic, read to its end: (key, value, headers)."""
+def read_messages(bootstrap: str, topic: str) -> Iterator[Message]:
+    """Every committed record of a topic (read_committed, as detok's readers do), to its end."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -192,11 +192,11 @@ def read_topic(bootstrap: str, topic: str) -> Iterator[tuple[bytes | None, bytes
             "enable.auto.commit": False,
         }
     )
-    partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-    consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-    remaining = set(partitions)
-    deadline = time.monotonic() + WAIT_BOUND_S
     try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        remaining = set(partitions)
+        deadline = time.monotonic() + WAIT_BOUND_S
         while remaining:
             if time.monotonic() > deadline:
                 pytest.fail(f"could not read {topic} to its end within the wait bound")
@@ -208,9 +208,15 @@ def read_topic(bootstrap: str, topic: str) -> Iterator[tuple[bytes | None, bytes
                     remaining.discard(message.partition())
                     continue
                 pytest.fail(f"read error: {message.error()}")
-            yield message.key(), message.value(), message.headers() or []
+            yield message
     finally:
         consumer.close()
+
+
+def read_topic(bootstrap: str, topic: str) -> Iterator[tuple[bytes | None, bytes | None, list]]:
+    """Every committed record of a topic, read to its end: (key, value, headers)."""
+    for message in read_messages(bootstrap, topic):
+        yield message.key(), message.value(), message.headers() or []
 
 
 def completions_on(bootstrap: str, names: TopicNames) -> dict[str, dict]:
