@@ -209,7 +209,10 @@ class Worker:
             except (KafkaException, FatalWorkerError) as error:
                 log.warning("abort at shutdown failed: %s", _message(error))
         self._commit_on_revoke = not abort
-        self.consumer.close()  # leaves the group; our revoke callback commits what is open
+        try:
+            self.consumer.close()  # leaves the group; our revoke callback commits what is open
+        except (KafkaException, FatalWorkerError) as error:
+            log.warning("leaving the group failed: %s", _message(error))
         try:
             self.producer.flush(self.deadline.remaining(KAFKA_TIMEOUT_S))
         except KafkaException as error:
@@ -523,8 +526,17 @@ class Worker:
         # Lost partitions are already someone else's: never commit for them.
         numbers = [tp.partition for tp in partitions]
         self.metrics.rebalances.labels(event="lost").inc()
-        self._take(self.strategy.settle())
-        self.strategy.abort()
+        try:
+            self._take(self.strategy.settle())
+            self.strategy.abort()
+        except (KafkaException, FatalWorkerError) as error:
+            # Raised in a librdkafka callback, it would escape `poll` or `close` as a traceback;
+            # the loop raises it instead (a broker gone while leaving the group is one such).
+            log.warning("abort after losing partitions %s failed: %s", numbers, _message(error))
+            self._release(numbers)
+            if isinstance(error, FatalWorkerError) and self._fatal is None:
+                self._fatal = error
+            return
         self._release(numbers)
         self._rollback()
 
