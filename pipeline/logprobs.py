@@ -20,9 +20,14 @@ the finish flush on the last token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from pipeline.vocab_tables import TokenizerProfile, byte_fallback_value
+from schemas.events import Logprobs, TokenLogprob, TopLogprob
+
+M = TypeVar("M", bound=BaseModel)
 
 METASPACE = "\u2581"
 
@@ -82,16 +87,17 @@ def build_entries(
     entries = []
     count = len(offsets)
     end_of_text = tail_start + len(tail)
+    cached = profile.token_info.get
     for index in range(first, last):
         start = min(offsets[index], cut)
         end = min(offsets[index + 1] if index + 1 < count else end_of_text, cut)
         token_id = ids[index]
-        token, raw = token_info(profile, token_id)
+        token, raw = cached(token_id) or token_info(profile, token_id)
         alternatives = []
-        for pair in tops[index]:
-            alt_token, alt_raw = token_info(profile, pair[0])
+        for alt_id, alt_logprob in tops[index]:
+            alt_token, alt_raw = cached(alt_id) or token_info(profile, alt_id)
             alternatives.append(
-                {"id": pair[0], "token": alt_token, "bytes": alt_raw, "logprob": pair[1]}
+                {"id": alt_id, "token": alt_token, "bytes": alt_raw, "logprob": alt_logprob}
             )
         entries.append(
             {
@@ -105,3 +111,38 @@ def build_entries(
             }
         )
     return entries
+
+
+def logprobs_model(entries: list[dict[str, Any]]) -> Logprobs:
+    """The completion's `Logprobs` from entries `build_entries` made.
+
+    The entries are built here from validated input with the models' exact field types, so
+    they are wrapped as they are, as `model_construct` would (without its per-field Python
+    work): validating them again cost more than the whole decode of a request. The tests
+    hold the result equal to a validated copy.
+    """
+    content = [
+        _trusted(
+            TokenLogprob,
+            {**entry, "top_logprobs": [_trusted(TopLogprob, a) for a in entry["top_logprobs"]]},
+        )
+        for entry in entries
+    ]
+    return _trusted(Logprobs, {"content": content})
+
+
+_set = object.__setattr__
+_new = object.__new__
+# Every field is set, so every instance of a model shares its field-name set (never mutated:
+# `model_copy` copies it).
+_FIELDS_SET = {model: set(model.model_fields) for model in (Logprobs, TokenLogprob, TopLogprob)}
+
+
+def _trusted(model: type[M], fields: dict[str, Any]) -> M:
+    """An instance of `model` whose fields are `fields` (every field, in declaration order)."""
+    instance = _new(model)
+    _set(instance, "__dict__", fields)
+    _set(instance, "__pydantic_fields_set__", _FIELDS_SET[model])
+    _set(instance, "__pydantic_extra__", None)
+    _set(instance, "__pydantic_private__", None)
+    return instance

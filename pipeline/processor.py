@@ -33,7 +33,7 @@ from pipeline.decode_stream import (
     push_each,
 )
 from pipeline.errors import SnapshotError
-from pipeline.logprobs import build_entries, check_alternatives
+from pipeline.logprobs import build_entries, check_alternatives, logprobs_model
 from pipeline.request_state import (
     ActiveRequest,
     FailedRequest,
@@ -49,7 +49,7 @@ from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
 from pipeline.stop_strings import StopMatch, matcher_for
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
 from pipeline.vocab_tables import profile_for
-from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, Logprobs, encode_json
+from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, encode_json
 from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
 from schemas.validation import is_record_fault
 
@@ -582,7 +582,10 @@ class RequestProcessor:
         if last <= first:
             return []
         state.lp_sent = last
-        return self._entries(state, first, last, cut)
+        entries = self._entries(state, first, last, cut)
+        if len(state.lp_built) == first:  # kept for the completion (not after a restore)
+            state.lp_built += entries
+        return entries
 
     def _entries(
         self, state: ActiveRequest, first: int, last: int, cut: int
@@ -862,8 +865,10 @@ class RequestProcessor:
         if state.logprobs:
             # Validated once here into the models; deltas carry the plain entries.
             count = len(state.lp_offsets)
-            entries = self._entries(state, 0, count, state.text_chars) if count else []
-            logprobs = Logprobs.model_validate({"content": entries})
+            entries = state.lp_built
+            if len(entries) != count:
+                entries = self._entries(state, 0, count, state.text_chars) if count else []
+            logprobs = logprobs_model(entries)
         return Completion(
             request_id=request_id,
             model=state.model,

@@ -160,6 +160,9 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     text_size: int = 0  # bytes the text takes in a JSON record: what `max_text_bytes` bounds
     held: dict[int, HeldEvent] = {}
     held_bytes: int = 0  # the size of the held events' records, bounded by `max_held_bytes`
+    # Logprob entries deltas carried, kept for the completion; not snapshotted (a restored
+    # request rebuilds them from its columns).
+    lp_built: list[dict[str, Any]] = []
 
     def add_text(self, text: str, size: int | None = None) -> None:
         """Append `text`; `size` is its `json_size` when the caller has it already."""

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,6 +13,7 @@ from hypothesis import strategies as st
 from pipeline.processor import RequestProcessor
 from pipeline.stop_strings import StopMatcher
 from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import Logprobs, dump_json
 from schemas.fast_events import ParsedPrompt, ParsedTokens
 from tests.unit.request_events import bytes_registry, finish, ids, reasons, run, run_records, tokens
 
@@ -134,6 +138,14 @@ def test_logprob_entries_attribute_characters_to_the_completing_token(registry) 
     assert [e.text_offset for e in content] == [0, 1, 1, 1]
     assert [bytes(e.bytes) for e in content] == [b"a", b"\xe2", b"\x82", b"\xac"]
     assert [d.logprobs for d in result.deltas][0] == [e.model_dump() for e in content]
+    # Built without validation: equal to a validated copy, and dumped without warnings.
+    logprobs = result.completions[0].logprobs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Logprobs.model_validate_json(logprobs.model_dump_json()) == logprobs
+        assert json.loads(result.completions[0].model_dump_json()) == json.loads(
+            dump_json(result.completions[0])
+        )
 
 
 def test_mixed_logprob_presence_fails_the_request(registry) -> None:
