@@ -108,6 +108,16 @@ def test_events_after_a_stop_are_counted_across_restore(registry) -> None:
     assert reasons(run(restored, tokens(5, "x"))) == ["event_after_finish"]
 
 
+def test_a_stop_completed_across_events_is_kept_whole_when_asked(registry) -> None:
+    processor = RequestProcessor(registry)
+    first = run(processor, stop_prompt(["abc"], include=True), tokens(1, "xxab"))
+    assert [d.text for d in first.deltas] == ["xx"]
+    second = run(processor, tokens(2, "cd"))
+    assert [d.text for d in second.deltas] == ["abc"]
+    assert second.completions[0].text == "xxabc"
+    assert second.completions[0].generated_tokens == 5
+
+
 def test_held_text_survives_restore(registry) -> None:
     processor = RequestProcessor(registry)
     first = run(processor, stop_prompt(["abc"]), tokens(1, "xxab"))
