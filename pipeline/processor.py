@@ -330,6 +330,8 @@ class RequestProcessor:
         finished = type(last) is ParsedFinish
         if finished:
             text += state.stream.flush()
+        if chunk and state.logprobs is None:
+            state.logprobs = False  # its first ids came without logprobs: see `_has_logprobs`
         state.generated_tokens += len(chunk)
         result.decoded_tokens += len(chunk)
         limit = self.max_text_bytes
@@ -424,14 +426,15 @@ class RequestProcessor:
     def _check_logprobs(self, entry: _Work, result: BatchResult) -> bool:
         """Whether the chunk's logprobs can be used; if not, the request fails here.
 
-        A request's tokens events all carry logprobs or none does (the first decides): entries
-        missing for some tokens could not be attributed. An alternative id the tokenizer and the
-        model cannot have produced is `token_id_out_of_range`, like such a prompt id.
+        The first tokens event decides whether a request has logprobs; in one that has them,
+        a later event without them fails it (its entries could not be written), while logprobs
+        on a later event of a request without them are ignored. An alternative id the tokenizer
+        and the model cannot have produced is `token_id_out_of_range`, like such a prompt id.
         """
         state = entry.state
         expected = state.logprobs
-        if expected is None and state.generated_tokens > 0:
-            expected = False
+        if expected is False:
+            return True  # decided without logprobs: later ones are ignored
         limit: int | None = None
         for index, held in enumerate(entry.events):
             event = held.event
@@ -1119,9 +1122,11 @@ def _joined_ids(events: Sequence[HeldEvent]) -> list[int]:
 
 
 def _has_logprobs(entry: _Work) -> bool:
-    """Whether a request's chunk is decoded with logprobs (its tokens events carry them)."""
-    if entry.state.logprobs is not None:
-        return entry.state.logprobs
+    """Whether a request's chunk is decoded with logprobs: decided by its first tokens event,
+    so a request decoded without them costs one attribute test here."""
+    logprobs = entry.state.logprobs
+    if logprobs is not None:
+        return logprobs
     return any(
         type(held.event) is ParsedTokens and held.event.logprobs is not None
         for held in entry.events

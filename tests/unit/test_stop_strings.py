@@ -173,3 +173,11 @@ def test_an_alternative_outside_the_vocabulary_is_out_of_range(registry) -> None
     result = run(processor, stop_prompt(["zz"]), bad)
     assert reasons(result) == ["token_id_out_of_range"]
     assert "25000" in result.dead_letters[0].message
+
+
+def test_logprobs_after_a_first_event_without_them_are_ignored(registry) -> None:
+    processor = RequestProcessor(registry)
+    plain = ParsedPrompt(request_id="r", model="bytes", prompt_token_ids=ids("Hi"))
+    result = run(processor, plain, tokens(1, "ab"), logprob_tokens(2, "cd"), finish(3))
+    assert result.dead_letters == []
+    assert result.completions[0].text == "abcd" and result.completions[0].logprobs is None
