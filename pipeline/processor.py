@@ -443,17 +443,18 @@ class RequestProcessor:
             present = event.logprobs is not None
             if expected is None:
                 expected = present
-            if present != expected:
+            if not expected:
+                break  # decided without logprobs: later ones are ignored
+            if not present:
                 self._fail_on_event(
                     entry,
                     index,
                     DeadLetterReason.SCHEMA_VIOLATION,
-                    "a request's tokens events must all carry logprobs or none: this one "
-                    + ("does not" if expected else "does"),
+                    "this tokens event has no logprobs, and its request's first one had",
                     result,
                 )
                 return False
-            if present and event.top_logprobs is not None:
+            if event.top_logprobs is not None:
                 if limit is None:
                     model = self.registry.get(state.model)
                     limit = max(model.model_vocab_size or 0, model.tokenizer_vocab_size)
