@@ -295,7 +295,11 @@ class RequestProcessor:
         work = [w for w in work if self.requests.get(w.request_id) is w.state]
         # Requests with decode options take their own path (`_decode_with_options`); the rest
         # pays one test each for them.
-        optioned = [w for w in work if w.state.stop is not None or _has_logprobs(w)]
+        optioned = [
+            w
+            for w in work
+            if w.state.stop is not None or (w.state.logprobs is not False and _has_logprobs(w))
+        ]
         if optioned:
             work = [w for w in work if w.state.stop is None and not _has_logprobs(w)]
             self._decode_with_options(optioned, result)
@@ -433,6 +437,8 @@ class RequestProcessor:
         """
         state = entry.state
         expected = state.logprobs
+        if expected is None and state.generated_tokens:
+            expected = state.logprobs = False  # see `_has_logprobs`
         if expected is False:
             return True  # decided without logprobs: later ones are ignored
         limit: int | None = None
@@ -1128,6 +1134,8 @@ def _has_logprobs(entry: _Work) -> bool:
     logprobs = entry.state.logprobs
     if logprobs is not None:
         return logprobs
+    if entry.state.generated_tokens:
+        return False  # decided without (a snapshot leaves an option-less request's None)
     return any(
         type(held.event) is ParsedTokens and held.event.logprobs is not None
         for held in entry.events

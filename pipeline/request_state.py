@@ -230,11 +230,22 @@ RequestState = ActiveRequest | FailedRequest | FinishedRequest
 
 _ACTIVE_FIELDS = _ActiveFields.__struct_fields__
 _active_values = operator.attrgetter(*_ACTIVE_FIELDS)
+# The decode-option fields, from `stop` on: a request without options leaves them out of its
+# snapshot (their defaults restore it), so the option costs its changelog nothing.
+_PLAIN_FIELDS = _ACTIVE_FIELDS[: _ACTIVE_FIELDS.index("stop")]
+_plain_values = operator.attrgetter(*_PLAIN_FIELDS)
 
 
 def _active_fields(state: _ActiveFields) -> dict[str, Any]:
     """The shared plain fields of a live state or a record, by name."""
     return dict(zip(_ACTIVE_FIELDS, _active_values(state), strict=True))
+
+
+def _snapshot_fields(state: _ActiveFields) -> dict[str, Any]:
+    """`_active_fields`, without the decode-option fields of a request that has no options."""
+    if state.stop is None and not state.logprobs:
+        return dict(zip(_PLAIN_FIELDS, _plain_values(state), strict=True))
+    return _active_fields(state)
 
 
 class _Snapshot(msgspec.Struct, kw_only=True):
@@ -260,7 +271,7 @@ def encode_snapshot(state: RequestState) -> bytes:
     if type(state) is ActiveRequest:
         record: dict[str, Any] | FailedRequest | FinishedRequest = {
             "kind": "active",
-            **_active_fields(state),
+            **_snapshot_fields(state),
             "stream": state.stream.snapshot(),
             "text": state.text(),
             "held": [held_record(state.held[seq].origin) for seq in sorted(state.held)],

@@ -181,3 +181,16 @@ def test_logprobs_after_a_first_event_without_them_are_ignored(registry) -> None
     result = run(processor, plain, tokens(1, "ab"), logprob_tokens(2, "cd"), finish(3))
     assert result.dead_letters == []
     assert result.completions[0].text == "abcd" and result.completions[0].logprobs is None
+
+
+def test_the_decision_without_logprobs_survives_restore(registry) -> None:
+    processor = RequestProcessor(registry)
+    plain = ParsedPrompt(request_id="r", model="bytes", prompt_token_ids=ids("Hi"))
+    run(processor, plain, tokens(1, "ab"))
+    snapshot = processor.snapshot("r")
+    assert b"logprobs" not in snapshot and b"stop" not in snapshot  # costs the changelog nothing
+    restored = RequestProcessor(registry)
+    restored.restore("r", snapshot)
+    result = run(restored, logprob_tokens(2, "cd"), finish(3))
+    assert result.dead_letters == []
+    assert result.completions[0].text == "abcd" and result.completions[0].logprobs is None
