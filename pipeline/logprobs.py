@@ -1,10 +1,10 @@
 """Logprob entries: each sampled token's string, bytes and text in context, and its alternatives.
 
-A request's logprobs are kept as flat columns (`pipeline.request_state.LogprobColumns`): the
+A request's logprobs are kept as flat columns on its state (`pipeline.request_state`): the
 sampled ids, their logprobs, the alternatives exactly as parsed, and where each token's text
 starts in the request's text. Only output builds per-token objects, and only what the wire
-record holds (`schemas.events.TokenLogprob`, as plain dicts in field order: a delta is encoded
-straight from them; a completion validates them once into its models).
+record holds: one `TokenLogprob` per token and one `TopLogprob` per alternative, built once and
+shared by the delta that carries it and the completion.
 
 Per id, what a token is alone does not depend on the request, so `token_info` computes it once
 per tokenizer and caches it on the tokenizer's profile (`vocab_tables.TokenizerProfile`):
@@ -77,12 +77,18 @@ def build_entries(
     tail: str,
     tail_start: int,
     cut: int,
-) -> list[dict[str, Any]]:
-    """The entries of tokens `first..last-1` (plain dicts, `TokenLogprob` field order).
+) -> list[TokenLogprob]:
+    """The entries of tokens `first..last-1`.
 
     `tail` is the request's text from character `tail_start` (<= `offsets[first]`) on; a
     token's text runs from its offset to the next token's (the last token's: to the end of the
     text, so the finish flush is its), cut at `cut`, the completion's length.
+
+    Each entry is built once and shared by the delta that carries it and the completion. The
+    values come from validated input with the models' exact field types, so the models are
+    made as `model_construct` would, without its per-field Python work (`_trusted`):
+    validating them again cost more than the whole decode of a request. The tests hold them
+    equal to validated copies.
     """
     entries = []
     count = len(offsets)
@@ -97,38 +103,31 @@ def build_entries(
         for alt_id, alt_logprob in tops[index]:
             alt_token, alt_raw = cached(alt_id) or token_info(profile, alt_id)
             alternatives.append(
-                {"id": alt_id, "token": alt_token, "bytes": alt_raw, "logprob": alt_logprob}
+                _trusted(
+                    TopLogprob,
+                    {"id": alt_id, "token": alt_token, "bytes": alt_raw, "logprob": alt_logprob},
+                )
             )
         entries.append(
-            {
-                "id": token_id,
-                "token": token,
-                "bytes": raw,
-                "text": tail[start - tail_start : end - tail_start],
-                "text_offset": start,
-                "logprob": values[index],
-                "top_logprobs": alternatives,
-            }
+            _trusted(
+                TokenLogprob,
+                {
+                    "id": token_id,
+                    "token": token,
+                    "bytes": raw,
+                    "text": tail[start - tail_start : end - tail_start],
+                    "text_offset": start,
+                    "logprob": values[index],
+                    "top_logprobs": alternatives,
+                },
+            )
         )
     return entries
 
 
-def logprobs_model(entries: list[dict[str, Any]]) -> Logprobs:
-    """The completion's `Logprobs` from entries `build_entries` made.
-
-    The entries are built here from validated input with the models' exact field types, so
-    they are wrapped as they are, as `model_construct` would (without its per-field Python
-    work): validating them again cost more than the whole decode of a request. The tests
-    hold the result equal to a validated copy.
-    """
-    content = [
-        _trusted(
-            TokenLogprob,
-            {**entry, "top_logprobs": [_trusted(TopLogprob, a) for a in entry["top_logprobs"]]},
-        )
-        for entry in entries
-    ]
-    return _trusted(Logprobs, {"content": content})
+def logprobs_model(entries: list[TokenLogprob]) -> Logprobs:
+    """The completion's `Logprobs` of entries `build_entries` made."""
+    return _trusted(Logprobs, {"content": entries})
 
 
 _set = object.__setattr__

@@ -49,7 +49,13 @@ from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
 from pipeline.stop_strings import StopMatch, matcher_for
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
 from pipeline.vocab_tables import profile_for
-from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, encode_json
+from schemas.events import (
+    Completion,
+    DeadLetterReason,
+    FilteredIdsRecord,
+    TokenLogprob,
+    encode_json,
+)
 from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
 from schemas.validation import is_record_fault
 
@@ -518,9 +524,10 @@ class RequestProcessor:
             text += state.stream.flush()
         if state.logprobs:
             self._record_logprobs(state, entry.events, pushed, texts or [])
-        if state.stop is not None:
+        matcher = None if state.stop is None else matcher_for(state.stop)
+        if matcher is not None:
             held = state.stop_held
-            match = matcher_for(state.stop).find(held + text) if text else None
+            match = matcher.find(held + text) if text else None
             if match is not None:
                 self._stop(entry, chunk, pushed, text, texts, before, match, result)
                 return
@@ -535,8 +542,8 @@ class RequestProcessor:
             return
         state.add_text(text)
         published = state.stop_held + text
-        if state.stop is not None:
-            kept = 0 if finished else matcher_for(state.stop).held_length(published)
+        if matcher is not None:
+            kept = 0 if finished else matcher.held_length(published)
             state.stop_held = published[len(published) - kept :] if kept else ""
             published = published[: len(published) - kept]
         self._maybe_filtered_ids(entry.request_id, state, result)
@@ -575,7 +582,7 @@ class RequestProcessor:
 
     def _new_entries(
         self, state: ActiveRequest, finished: bool, cut: int
-    ) -> list[dict[str, object]] | None:
+    ) -> list[TokenLogprob] | None:
         """Entries no delta has carried whose text is now published, or None for a request
         without logprobs. A token's text is settled once the next token is pushed (the last
         token's only at the end, which may add the finish flush), and published once no part
@@ -597,9 +604,7 @@ class RequestProcessor:
             state.lp_built += entries
         return entries
 
-    def _entries(
-        self, state: ActiveRequest, first: int, last: int, cut: int
-    ) -> list[dict[str, object]]:
+    def _entries(self, state: ActiveRequest, first: int, last: int, cut: int) -> list[TokenLogprob]:
         start = min(state.lp_offsets[first], cut)
         return build_entries(
             profile_for(self.registry.get(state.model).tokenizer),
@@ -621,7 +626,7 @@ class RequestProcessor:
         seq: int,
         text: str,
         final: bool,
-        entries: list[dict[str, object]] | None,
+        entries: list[TokenLogprob] | None,
         result: BatchResult,
     ) -> None:
         offset = state.text_chars - len(state.stop_held) - len(text)

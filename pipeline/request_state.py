@@ -162,7 +162,7 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     held_bytes: int = 0  # the size of the held events' records, bounded by `max_held_bytes`
     # Logprob entries deltas carried, kept for the completion; not snapshotted (a restored
     # request rebuilds them from its columns).
-    lp_built: list[dict[str, Any]] = []
+    lp_built: list[Any] = []  # `TokenLogprob`s
 
     def add_text(self, text: str, size: int | None = None) -> None:
         """Append `text`; `size` is its `json_size` when the caller has it already."""

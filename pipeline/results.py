@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, encode_json
+from schemas.events import (
+    Completion,
+    DeadLetterReason,
+    FilteredIdsRecord,
+    TokenLogprob,
+    encode_json,
+)
 
 # A Kafka header's value may be null (the Java client allows it, and so does librdkafka).
 Header = tuple[str, bytes | None]
@@ -100,9 +106,9 @@ class Delta:
     text_offset: int
     text: str
     final: bool = False
-    # The `Logprobs.content` entries of the tokens of seq_start..seq_end, as plain JSON values
-    # in wire field order (`pipeline.logprobs`); None when the input carried no logprobs.
-    logprobs: list[dict[str, object]] | None = None
+    # The `Logprobs.content` entries of the tokens whose text this delta completes
+    # (`pipeline.logprobs`); None when the input carried no logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
     def absorb(self, later: Delta) -> None:
         self.seq_end = later.seq_end

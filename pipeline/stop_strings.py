@@ -13,6 +13,7 @@ characters (#11089), text that cannot begin a stop goes out at once.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -28,7 +29,7 @@ class StopMatch(NamedTuple):
 class StopMatcher:
     """The stop strings of one request (shared by every request with the same list)."""
 
-    __slots__ = ("stops", "_firsts")
+    __slots__ = ("stops", "_by_first", "_window", "_any_stop", "_first_at")
 
     def __init__(self, stops: Sequence[str]) -> None:
         if not stops or not all(stops):
@@ -36,14 +37,23 @@ class StopMatcher:
         # Longest first: of the strings ending at the same position, the longest wins, and a
         # strict `<` on the end position below then keeps the first one seen.
         self.stops = tuple(sorted(set(stops), key=len, reverse=True))
-        # (first character, the strings starting with it): a held suffix must begin with one.
-        firsts: dict[str, list[str]] = {}
+        by_first: dict[str, list[str]] = {}
         for stop in self.stops:
-            firsts.setdefault(stop[0], []).append(stop)
-        self._firsts = tuple((char, tuple(group)) for char, group in firsts.items())
+            by_first.setdefault(stop[0], []).append(stop)
+        self._by_first = {char: tuple(group) for char, group in by_first.items()}
+        # One regex pass settles the common cases at C speed: no stop at all in a text, and no
+        # stop's first character within the last `longest - 1` characters (the only place a
+        # held suffix can start).
+        self._window = len(self.stops[0]) - 1
+        self._any_stop = re.compile("|".join(map(re.escape, self.stops))).search
+        self._first_at = re.compile("[" + "".join(map(re.escape, by_first)) + "]").search
 
     def find(self, text: str) -> StopMatch | None:
         """The stop with the smallest end in `text`, the longest among those ending there."""
+        if self._any_stop(text) is None:
+            return None
+        # A regex finds the leftmost start, not the smallest end ("abcd" before "bc" in
+        # "abcd"): each string's first occurrence decides.
         best: StopMatch | None = None
         for stop in self.stops:
             start = text.find(stop)
@@ -54,22 +64,20 @@ class StopMatcher:
     def held_length(self, text: str) -> int:
         """Characters of the longest suffix of `text` that is a proper prefix of a stop string.
 
-        Only positions holding a stop's first character can start one, and only within the
-        last `len(stop) - 1` characters, so `str.rfind`/`find` skip the rest at C speed; the
-        earliest qualifying position over all strings gives the longest suffix.
+        Candidates are the positions of a stop's first character in the last `longest - 1`
+        characters, left to right: the first whose suffix begins a longer stop is the longest.
         """
         size = len(text)
-        earliest = size
-        for char, group in self._firsts:
-            for stop in group:  # longest first: the widest window for this first character
-                window = size - len(stop) + 1
-                position = text.find(char, max(window, 0), earliest)
-                while position >= 0:
-                    if stop.startswith(text[position:]):
-                        earliest = position
-                        break
-                    position = text.find(char, position + 1, earliest)
-        return size - earliest
+        start = size - self._window
+        found = self._first_at(text, start if start > 0 else 0)
+        while found is not None:
+            position = found.start()
+            suffix = text[position:]
+            for stop in self._by_first[suffix[0]]:
+                if len(stop) > len(suffix) and stop.startswith(suffix):
+                    return size - position
+            found = self._first_at(text, position + 1)
+        return 0
 
 
 # Requests of one producer usually share a stop list: reuse its matcher. Bounded so that

@@ -162,3 +162,11 @@ def test_serve_exposes_the_registry_on_the_given_interface() -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     assert "detok_records_consumed_total 7.0" in text
+
+
+def test_events_after_a_stop_are_exported() -> None:
+    metrics = PrometheusMetrics(MODELS, registry=None)
+    result = BatchResult()
+    result.events_after_stop = 3
+    metrics.observe_batch(result, events=3, seconds=0.001)
+    assert value(metrics, "detok_events_after_stop_total") == 3

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeline.processor import RequestProcessor
 from pipeline.stop_strings import StopMatcher
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.events import Logprobs, dump_json
+from schemas.events import Logprobs, TextDelta, dump_json
 from schemas.fast_events import ParsedPrompt, ParsedTokens
 from tests.unit.request_events import bytes_registry, finish, ids, reasons, run, run_records, tokens
 
@@ -147,7 +147,11 @@ def test_logprob_entries_attribute_characters_to_the_completing_token(registry) 
     assert [e.text for e in content] == ["a", "", "", "€"]
     assert [e.text_offset for e in content] == [0, 1, 1, 1]
     assert [bytes(e.bytes) for e in content] == [b"a", b"\xe2", b"\x82", b"\xac"]
-    assert [d.logprobs for d in result.deltas][0] == [e.model_dump() for e in content]
+    (delta,) = result.deltas
+    assert delta.logprobs == content
+    wire = TextDelta.model_validate_json(delta.to_wire_json())
+    assert wire.logprobs.content == content
+    assert delta.to_wire_json() == wire.model_dump_json().encode()
     # Built without validation: equal to a validated copy, and dumped without warnings.
     logprobs = result.completions[0].logprobs
     with warnings.catch_warnings():
