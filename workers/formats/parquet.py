@@ -107,16 +107,46 @@ def _batch_records(batch: Any, first_row: int, group: int) -> Iterator[SourceRec
         fields = {name: values[index] for name, values in others.items()}
         fields = {name: value for name, value in fields.items() if value is not None}
         try:
-            # The model checks every field but the ids, which `_IdColumn` has checked for the
-            # whole batch at once: validating them again element by element, as Python ints,
-            # cost more than parsing the same row from JSON.
-            scalars = LoggedGeneration.model_validate({**fields, **NO_IDS})
+            generation = _generation(fields, {column.name: column.ids(index) for column in ids})
         except ValidationError as error:
             message = str(error)[:MAX_MESSAGE_CHARS]
             yield _rejected(batch, index, position, classify(error), message)
             continue
-        ids_of = {column.name: column.ids(index) for column in ids}
-        yield SourceRecord(position, scalars.model_copy(update=ids_of))
+        yield SourceRecord(position, generation)
+
+
+def _generation(fields: dict[str, Any], ids: dict[str, list[int]]) -> LoggedGeneration:
+    """The row's generation, its ids already checked by `_IdColumn`.
+
+    Without logprobs, the model checks every field but the ids: validating them again element by
+    element, as Python ints, cost more than parsing the same row from JSON. Logprobs are checked
+    against the ids (one entry per id), so a row with them is validated whole.
+    """
+    if "output_logprobs" in fields or "output_top_logprobs" in fields:
+        if "output_top_logprobs" in fields:
+            fields["output_top_logprobs"] = _pairs(fields["output_top_logprobs"])
+        return LoggedGeneration.model_validate({**fields, **ids})
+    return LoggedGeneration.model_validate({**fields, **NO_IDS}).model_copy(update=ids)
+
+
+def _pairs(positions: Any) -> Any:
+    """Top logprobs as the model's (id, logprob) tuples, from a Parquet list of structs
+    `{id, logprob}` or of two-element lists; anything else is left for the model to refuse."""
+    if not isinstance(positions, list):
+        return positions
+    return [
+        [
+            (pair["id"], pair["logprob"])
+            if isinstance(pair, dict) and pair.keys() == {"id", "logprob"}
+            else tuple(pair)
+            if isinstance(pair, list)
+            else pair
+            for pair in position
+        ]
+        if isinstance(position, list)
+        else position
+        for position in positions
+    ]
 
 
 class _IdColumn:
@@ -180,7 +210,27 @@ def _rejected(
 
 
 def _completion_schema() -> Any:
+    """`Completion`'s fields as typed columns; logprobs nest as OpenAI's `content` list."""
     pa, _, _ = _arrow()
+    top = pa.struct(
+        [
+            pa.field("id", pa.uint32(), nullable=False),
+            pa.field("token", pa.string(), nullable=False),
+            pa.field("bytes", pa.list_(pa.uint8()), nullable=False),
+            pa.field("logprob", pa.float64(), nullable=False),
+        ]
+    )
+    token = pa.struct(
+        [
+            pa.field("id", pa.uint32(), nullable=False),
+            pa.field("token", pa.string(), nullable=False),
+            pa.field("bytes", pa.list_(pa.uint8()), nullable=False),
+            pa.field("text", pa.string(), nullable=False),
+            pa.field("text_offset", pa.int64(), nullable=False),
+            pa.field("logprob", pa.float64(), nullable=False),
+            pa.field("top_logprobs", pa.list_(top), nullable=False),
+        ]
+    )
     return pa.schema(
         [
             pa.field("request_id", pa.string(), nullable=False),
@@ -192,6 +242,8 @@ def _completion_schema() -> Any:
             pa.field("generated_tokens", pa.int64(), nullable=False),
             pa.field("filtered_prompt_ids", pa.list_(pa.uint32()), nullable=False),
             pa.field("error", pa.string()),
+            pa.field("stop_reason", pa.string()),
+            pa.field("logprobs", pa.struct([pa.field("content", pa.list_(token))])),
         ]
     )
 
@@ -227,7 +279,8 @@ def read_completions(path: Path) -> Iterator[Completion]:
     """The completions of a file `ParquetCompletions` wrote, batch by batch."""
     for batch in _open(path).iter_batches(batch_size=READ_BATCH_ROWS):
         for row in batch.to_pylist():
-            yield Completion.model_validate(row)
+            # JSON mode: the column values are JSON's kinds (a nested struct is a dict).
+            yield Completion.model_validate_json(json.dumps(row))
 
 
 def write_generations(path: Path, generations: Iterator[dict[str, Any]], rows: int = 65536) -> None:
