@@ -1,8 +1,8 @@
 """Every Kafka client detok makes is made here: consumers, producers, admin clients.
 
 One place owns how detok talks to a cluster, so a setting every client needs (the bootstrap
-address today; TLS and SASL properties tomorrow) is added once, and the producer defaults that
-keep detok compatible with Java clients are written once:
+address, TLS and SASL properties from `workers.kafka_config`) is added once, and the producer
+defaults that keep detok compatible with Java clients are written once:
 
 - `partitioner=murmur2_random`: Java producers hash keys with murmur2. A request's events and
   outputs must land on the partition a Java producer would choose for the same key, or a mixed
@@ -11,7 +11,9 @@ keep detok compatible with Java clients are written once:
   kept across retries (the worker's changelog and the input's seq order rely on both).
 
 Callers pass only what their role needs (a group id, a transactional id, fetch tuning); the
-connection's passthrough properties are applied last, as `detok worker` always did.
+connection's properties (the user's file and `-X`) are applied last, so they tune any client;
+the settings detok's guarantees depend on are refused when the connection is made
+(`kafka_config.check_protected`), so applying them last can never weaken those.
 
 Commands that write to Kafka produce through a `DeliveryTracker`, so what was not delivered is
 counted and reported instead of lost silently; `topic_partitions` turns "no broker" and "no such
@@ -20,14 +22,19 @@ topic" into two clear errors within a bound.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, ClusterMetadata
 
+from workers.kafka_config import KafkaConfigError, check_protected, client_properties, redacted
+
+BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "partitioner": "murmur2_random",
     "enable.idempotence": True,
@@ -46,14 +53,50 @@ METADATA_TIMEOUT_S = 15.0
 @dataclass(frozen=True)
 class KafkaConnection:
     """How to reach one cluster: the bootstrap address and client properties passed through
-    unchanged to every client (librdkafka names, e.g. `security.protocol`)."""
+    unchanged to every client (librdkafka names, e.g. `security.protocol`).
+
+    Made only with checked properties (ProtectedSetting otherwise), and printed only redacted:
+    a connection ends up in error messages and logs, its password must not.
+    """
 
     bootstrap_servers: str
     properties: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_protected(self.properties)
+
+    def __repr__(self) -> str:
+        return f"KafkaConnection({self.bootstrap_servers!r}, {redacted(self.properties)!r})"
+
     def client_config(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """`settings` for one client on this connection."""
         return {"bootstrap.servers": self.bootstrap_servers, **settings, **self.properties}
+
+
+def configured_connection(
+    bootstrap_servers: str | None,
+    config_file: Path | None,
+    overrides: Iterable[str] = (),
+    fallback: Callable[[], str] | None = None,
+) -> KafkaConnection:
+    """The connection a command's flags describe: `kafka_config.client_properties` for the
+    settings; the address from `bootstrap_servers` (a flag), else `bootstrap.servers` of the
+    config, else $KAFKA_BOOTSTRAP_SERVERS, else `fallback()` (the demo's local broker).
+
+    Raises KafkaConfigError (never quoting a secret) for a config detok refuses or no address,
+    before any client is made.
+    """
+    properties = client_properties(config_file, overrides)
+    from_config = properties.pop("bootstrap.servers", None)
+    bootstrap = bootstrap_servers or from_config or os.environ.get(BOOTSTRAP_ENV)
+    if not bootstrap and fallback is not None:
+        bootstrap = fallback()
+    if not bootstrap:
+        raise KafkaConfigError(
+            "no Kafka bootstrap servers: pass --bootstrap-servers, set "
+            f"${BOOTSTRAP_ENV}, or put bootstrap.servers in the Kafka config file"
+        )
+    return KafkaConnection(bootstrap, properties)
 
 
 def as_connection(connection: KafkaConnection | str) -> KafkaConnection:
