@@ -10,12 +10,18 @@ import sys
 
 from confluent_kafka import KafkaException
 
-from workers.kafka_clients import KafkaUnavailable, UndeliveredRecords, UnknownTopic
+from workers.kafka_clients import (
+    KafkaUnavailable,
+    NotAuthorized,
+    UndeliveredRecords,
+    UnknownTopic,
+)
 from workers.kafka_config import KafkaConfigError
 
 KAFKA_FAILURES = (
     KafkaUnavailable,
     UnknownTopic,
+    NotAuthorized,
     UndeliveredRecords,
     KafkaException,
     KafkaConfigError,

@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from confluent_kafka import KafkaException
 from pydantic import ValidationError
 
 from pipeline.tokenizer_registry import (
@@ -122,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         if stop.requested:
             return 0
         print(f"detok worker: {error}", file=sys.stderr)
+        return 1
+    except KafkaException as error:  # a refused login or handshake (kafka_clients.RefusalWatch)
+        print(f"detok worker: Kafka error: {error.args[0].str()}", file=sys.stderr)
         return 1
     metrics = PrometheusMetrics(registry.names, registry=None)
     if settings.metrics_port is not None:
