@@ -213,6 +213,8 @@ class DeadLetterRecord(_Wire):
     error_class: str
     error: str
     line: int | None = None
+    # A table input's row (counted from 0 across the file) where a text input has its line.
+    row: int | None = None
     request_id: str | None = None
     seq: int | None = None
     original: str
