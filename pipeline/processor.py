@@ -524,7 +524,9 @@ class RequestProcessor:
             text += state.stream.flush()
         if state.logprobs:
             self._record_logprobs(state, entry.events, pushed, texts or [])
-        matcher = None if state.stop is None else matcher_for(state.stop)
+        matcher = state.stop_matcher
+        if matcher is None and state.stop is not None:
+            matcher = state.stop_matcher = matcher_for(state.stop)
         if matcher is not None:
             held = state.stop_held
             match = matcher.find(held + text) if text else None

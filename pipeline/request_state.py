@@ -163,6 +163,7 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     # Logprob entries deltas carried, kept for the completion; not snapshotted (a restored
     # request rebuilds them from its columns).
     lp_built: list[Any] = []  # `TokenLogprob`s
+    stop_matcher: Any = None  # `stop_strings.StopMatcher` of `stop`, found on first use
 
     def add_text(self, text: str, size: int | None = None) -> None:
         """Append `text`; `size` is its `json_size` when the caller has it already."""
