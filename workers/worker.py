@@ -135,6 +135,7 @@ class Worker:
 
     def _consumer_settings(self) -> dict[str, Any]:
         return {
+            **self._membership_settings(),
             "group.id": self.settings.group,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
@@ -158,6 +159,18 @@ class Worker:
             "statistics.interval.ms": 5000,
             "stats_cb": self.metrics.consumer_statistics,
         }
+
+    def _membership_settings(self) -> dict[str, Any]:
+        """Static membership (see `WorkerSettings.static_membership`): nothing when off."""
+        if not self.settings.static_membership:
+            return {}
+        if "instance_id" not in self.settings.model_fields_set:
+            log.warning(
+                "static membership with a random instance id: a restarted worker joins as a new "
+                "member, and its old id holds its partitions until the session timeout; "
+                "give each replica a stable --instance-id"
+            )
+        return {"group.instance.id": self.settings.instance_id}
 
     def _producer_settings(self) -> dict[str, Any]:
         return {

@@ -129,3 +129,27 @@ def test_ttl_clock_is_record_time_until_a_partition_is_caught_up(worker) -> None
     assert reference("caught-up") == 5000.0  # nothing waits for it: wall clock
     assert reference("behind") == 1000.0  # its events may be in the backlog: record time
     assert reference("not-read-yet") == float("-inf")  # no clock until a record is read
+
+
+def test_static_membership_joins_under_the_instance_id(tmp_path: Path) -> None:
+    """Off, the consumer has no group.instance.id (librdkafka's dynamic membership); on, it is
+    the worker's instance id, so a restarted replica rejoins as the same member."""
+    path = tmp_path / "tokenizer.json"
+    byte_level().save(str(path))
+    registry = TokenizerRegistry()
+    registry.register("bytes", path)
+    limits = OutputLimits({name: 1_048_588 for name in TopicNames().model_dump().values()})
+    for static in (False, True):
+        settings = WorkerSettings(
+            bootstrap_servers="127.0.0.1:9",
+            tokenizers=[f"bytes={path}"],
+            instance_id="replica-0",
+            static_membership=static,
+        )
+        worker = Worker(settings, registry, PrometheusMetrics(["bytes"], registry=None), limits)
+        try:
+            membership = worker._membership_settings()
+        finally:
+            worker.consumer.close()
+            worker.strategy.close()
+        assert membership == ({"group.instance.id": "replica-0"} if static else {})
