@@ -58,6 +58,7 @@ from workers.process_policy import StopRequest
 from workers.prometheus import PrometheusMetrics
 from workers.record_handling import handle_batch, unexpected
 from workers.run_stats import RunStats, current_rss_bytes
+from workers.timeline import Timeline
 
 log = logging.getLogger("detok.worker")
 
@@ -70,6 +71,13 @@ CONSUME_WAIT_S = 0.1
 # The input fetch: see `_consumer_settings`.
 FETCH_MIN_BYTES = 100_000
 FETCH_WAIT_MAX_MS = 50
+# How soon a member learns that the group rebalances (a worker joined or left): in the classic
+# group protocol a member hears of it only in its next heartbeat's answer, and a cooperative
+# rebalance takes two rounds, each waiting for every member to notice. At a tenth of the 10 s
+# session timeout (1 s) a joining worker waited up to 2 s for those two notices while the group
+# already running was paused for one of them; 200 ms bounds that to 0.4 s, for five small
+# requests a second per worker to the group coordinator.
+REBALANCE_NOTICE_MS = 200
 # TTL sweeps walk every request; once a second is plenty for TTLs measured in minutes.
 EXPIRE_INTERVAL_S = 1.0
 # Requests one sweep may end. Each expiry is a completion, a dead letter and a snapshot, all in
@@ -119,6 +127,10 @@ class Worker:
         self._commit_on_revoke = True
         self._fatal: FatalWorkerError | None = None  # met in a callback, raised by the loop
         self.stats = RunStats()
+        self.timeline = Timeline()
+        # The input partitions of the commit whose outcome `_take` gets next (one is in flight
+        # at most): what the timeline's "first commit" of an assignment is told about.
+        self._committing: list[int] = []
         self.consumer: Consumer = make_consumer(self.connection, self._consumer_settings())
         self.producer = make_producer(self.connection, self._producer_settings())
         self.writer = OutputWriter(
@@ -130,6 +142,7 @@ class Worker:
             group=settings.group,
             instance_id=settings.instance_id,
         )
+        self.timeline.mark("worker built")
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -143,7 +156,9 @@ class Worker:
             "partition.assignment.strategy": "cooperative-sticky",
             "enable.partition.eof": True,
             "session.timeout.ms": self.settings.session_timeout_ms,
-            "heartbeat.interval.ms": max(self.settings.session_timeout_ms // 10, 100),
+            "heartbeat.interval.ms": min(
+                self.settings.session_timeout_ms // 10, REBALANCE_NOTICE_MS
+            ),
             # librdkafka pre-fetches up to this much per partition. 16 MB is several seconds of
             # input at full speed (events are ~150 bytes), so the decode loop never starves,
             # while 8 partitions at the old 64 MB each let the prefetch alone add ~200 MB of RSS.
@@ -193,12 +208,14 @@ class Worker:
         """Process until stopped by a signal, by `exit_when_idle_s`, or by a fatal error."""
         try:
             self.strategy.start(self.producer)
+            self.timeline.mark("producer ready")
             self.consumer.subscribe(
                 [self.topics.input],
                 on_assign=self._on_assign,
                 on_revoke=self._on_revoke,
                 on_lost=self._on_lost,
             )
+            self.timeline.mark("subscribed")
             while self.running and not self.stop.requested:
                 self._step()
             self.commit()
@@ -208,7 +225,10 @@ class Worker:
             self._close(abort=True)
             return 1
         self._close(abort=False)
-        log.info("run summary %s", self.stats.summary(self.processor.active_requests))
+        log.info(
+            "run summary %s",
+            self.stats.summary(self.processor.active_requests, self.timeline.summary()),
+        )
         return 0
 
     def _stopping(self) -> None:
@@ -248,8 +268,6 @@ class Worker:
     def _step(self) -> None:
         if self._fatal is not None:
             raise self._fatal
-        if self.restoring:
-            self._restore()
         # consume() waits until the batch is full or the timeout ends; never past the commit
         # deadline, or at moderate rates every commit (and so every delta) comes up to a whole
         # wait late.
@@ -260,6 +278,8 @@ class Worker:
         messages = self.consumer.consume(
             self.settings.max_batch, min(CONSUME_WAIT_S, max(due_in, 0.0))
         )
+        if self.restoring:
+            messages = self._restore_before_handling(messages)
         now = time.time()
         if messages:
             handle_started = time.perf_counter()
@@ -335,6 +355,7 @@ class Worker:
         processed_in = time.perf_counter() - started
         self.stats.process_s += processed_in
         self.checkpoint.offsets.update(handled.next_offsets)
+        self.timeline.mark_partitions("first records", handled.next_offsets)
         for partition, seconds in handled.newest_timestamp.items():
             if seconds > self.newest_timestamp.get(partition, float("-inf")):
                 self.newest_timestamp[partition] = seconds
@@ -420,6 +441,7 @@ class Worker:
             for partition, offset in sorted(checkpoint.offsets.items())
         ]
         self.checkpoint = Checkpoint.fresh()
+        self._committing = list(checkpoint.offsets)
         outcome = self.strategy.commit(self.consumer, offsets, checkpoint.decoded_tokens)
         self.stats.commit_s += time.perf_counter() - started
         if outcome is None and wait:
@@ -433,6 +455,7 @@ class Worker:
         if outcome.committed:
             self.stats.commits += 1
             self.stats.last_commit_at = outcome.finished_at
+            self.timeline.mark_partitions("first commit", self._committing, outcome.finished_at)
         else:
             self.stats.aborted_commits += 1
             moved = any(p not in self.assigned for p in outcome.refused_offsets)
@@ -514,6 +537,7 @@ class Worker:
         consumer.incremental_assign(partitions)
         numbers = [tp.partition for tp in partitions]
         log.info("assigned partitions %s", numbers)
+        self.timeline.assigned(numbers)
         self.assigned.update(numbers)
         self._begin_restore(numbers)
         self.metrics.rebalances.labels(event="assign").inc()
@@ -575,19 +599,37 @@ class Worker:
             self.newest_timestamp.pop(partition, None)
 
     def _begin_restore(self, partitions: Iterable[int]) -> None:
-        numbers = list(partitions)
-        self.consumer.pause([TopicPartition(self.topics.input, p) for p in numbers])
-        self.restoring.update(numbers)
+        """Mark partitions whose state must be restored before any of their records is handled.
+
+        They are not paused: librdkafka fetches their input (the committed-offset lookup, the
+        first fetch) while the loop reads the changelog, and `_restore_before_handling` restores
+        them before the batch that holds their first records is handled. Pausing them instead
+        cost up to a second per assignment: librdkafka's broker thread acts on a resume only
+        when it next wakes, which with no fetch in flight is its 1 s idle tick (seen in its
+        debug log: resume at t, first fetch decision at t + 0.98 s; confluent-kafka-go#630).
+        """
+        self.restoring.update(partitions)
         self.metrics.partitions_restoring.set(len(self.restoring))
 
+    def _restore_before_handling(self, messages: list[Message]) -> list[Message]:
+        """Restore the partitions assigned (or rolled back) during the last consume, then pass
+        on the batch; records of partitions left unrestored (a stop during the restore) are
+        dropped, never handled without their state: uncommitted, they are consumed again by
+        whoever owns the partition next."""
+        self._restore()
+        if not self.restoring:
+            return messages
+        return [m for m in messages if m.partition() not in self.restoring]
+
     def _restore(self) -> None:
-        """Rebuild the state of the restoring partitions from the changelog, then resume them.
+        """Rebuild the state of the restoring partitions from the changelog.
 
         Guarded per changelog record (workers/changelog.py): a record that cannot be restored
         fails its request, goes to the dead-letter topic, and is counted; the rest restore.
         """
         started = time.perf_counter()
         partitions = sorted(self.restoring)
+        self.timeline.mark_partitions("restore started", partitions)
         committed_input = None
         if self.strategy.restore_skips_ahead_of_commit:
             committed_input = {tp.partition: tp.offset for tp in self._committed(partitions)}
@@ -610,7 +652,7 @@ class Worker:
                 self.checkpoint.dirty.add(letter.request_id)
         self.metrics.changelog_records_skipped.inc(len(restored.failed))
         self.restoring.difference_update(partitions)
-        self.consumer.resume([TopicPartition(self.topics.input, p) for p in partitions])
+        self.timeline.mark_partitions("restored", partitions)
         self.metrics.observe_restore(time.perf_counter() - started, len(self.restoring))
         self.metrics.active_requests.set(self.processor.active_requests)
         log.info(
