@@ -15,13 +15,20 @@ On the local broker (`detok broker start`, or one this script starts), with real
               receives the delta covering it (p50/p99; median run of three, and the same at
               a quarter of the rate); the worker gets a core of its own, the paced producer,
               the reader and the broker share the other (`load_apart_from_worker`);
+  scale out   the 2-worker rows against the 1-worker rows (target: >= 1.0x), and the timeline of
+              the worker assigned partitions last; then a worker joining a group already running
+              at a quarter of the rate: when its first output became visible to a reader after
+              its assignment (target: <= 1 s; median of three) and its own timeline;
   memory      RSS growth of a worker per 10,000 active (started, unfinished) requests, as the
               slope between two fill levels so fixed costs (tokenizers, client buffers) cancel;
   restore     kill -9 of that worker, then the restore time its successor logs.
 
 No figure is asserted; targets are printed next to each figure as ratios measured in this run.
+`--compare-with TREE` runs another checkout's workers (e.g. `git worktree add /tmp/base <commit>`)
+beside this tree's, alternating in every rotation, so before/after figures come from one run.
 
     python -m bench.bench_e2e [--requests 20000] [--quick] [--json] [--profile DIR]
+                              [--compare-with TREE]
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from pipeline.tokenizer_registry import TokenizerRegistry
+from tests.unit.fake_records import FakeMessage
 from tests.unit.small_tokenizers import byte_level
 from workers.checkpointing import AtLeastOnce, CommitOutcome, Deadline
 from workers.config import WorkerSettings
@@ -67,6 +68,9 @@ class RecordingStrategy:
 
     def settle(self) -> None:
         return None
+
+    def committing(self) -> bool:
+        return False
 
     def abort(self) -> None:
         pass
@@ -153,3 +157,26 @@ def test_static_membership_joins_under_the_instance_id(tmp_path: Path) -> None:
             worker.consumer.close()
             worker.strategy.close()
         assert membership == ({"group.instance.id": "replica-0"} if static else {})
+
+
+def test_a_batch_is_handled_only_after_its_partitions_are_restored(worker, monkeypatch) -> None:
+    """New partitions are not paused while they restore (their input is fetched meanwhile), so
+    the batch that brought their first records waits for the restore; records of partitions a
+    stop left unrestored are dropped, uncommitted, never handled without their state."""
+    batch = [FakeMessage(b"a", partition_number=0), FakeMessage(b"b", partition_number=1)]
+    calls: list[list[int]] = []
+
+    def restore_all() -> None:
+        calls.append(sorted(worker.restoring))
+        worker.restoring.clear()
+
+    worker.assigned = {0, 1}
+    worker._begin_restore([1])
+    monkeypatch.setattr(worker, "_restore", restore_all)
+    assert worker._restore_before_handling(batch) == batch
+    assert calls == [[1]]
+
+    worker._begin_restore([1])
+    monkeypatch.setattr(worker, "_restore", lambda: calls.append(sorted(worker.restoring)))
+    assert [m.partition() for m in worker._restore_before_handling(batch)] == [0]
+    assert calls[-1] == [1]
