@@ -255,9 +255,15 @@ class Worker:
 
     def _missing_topics(self) -> str:
         """Name a pipeline topic that is gone: a deleted output topic otherwise surfaces as a
-        transaction error whose text blames fencing or timeouts."""
+        transaction error whose text blames fencing or timeouts.
+
+        Asked through the producer: this runs in the consumer's revoke and lost callbacks too (a
+        rollback there), and the consumer's own `list_topics` inside its callback aborts the
+        process (confluent-kafka's `CallState_get: Assertion cs != NULL`; seen in the 2-worker
+        bench when a rebalance aborted a transaction).
+        """
         try:
-            metadata = self.consumer.list_topics(timeout=self.deadline.remaining(5.0))
+            metadata = self.producer.list_topics(timeout=self.deadline.remaining(5.0))
         except KafkaException:
             return ""
         missing = [t for t in self.topics.model_dump().values() if t not in metadata.topics]
