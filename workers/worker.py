@@ -76,9 +76,9 @@ FETCH_WAIT_MAX_MS = 50
 # How soon a member learns that the group rebalances (a worker joined or left): in the classic
 # group protocol a member hears of it only in its next heartbeat's answer, and a cooperative
 # rebalance takes two rounds, each waiting for every member to notice. At a tenth of the 10 s
-# session timeout (1 s) a joining worker waited up to 2 s for those two notices while the group
-# already running was paused for one of them; 200 ms bounds that to 0.4 s, for five small
-# requests a second per worker to the group coordinator.
+# session timeout (1 s) each notice could take a second; 200 ms bounds it, for five small
+# requests a second per worker to the group coordinator. (librdkafka still sends a member's
+# JoinGroup at most once a second, so a joining worker's two rounds take about a second.)
 REBALANCE_NOTICE_MS = 200
 # TTL sweeps walk every request; once a second is plenty for TTLs measured in minutes.
 EXPIRE_INTERVAL_S = 1.0
