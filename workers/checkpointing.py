@@ -27,15 +27,25 @@ from pipeline.processor import Origin
 
 log = logging.getLogger("detok.worker")
 
-# One commit (offsets, then EndTxn) takes milliseconds on a healthy cluster; 30 s covers a
-# leader election or a coordinator moving, without waiting forever on a broker that is gone.
-COMMIT_TIMEOUT_S = 30.0
+# One commit (offsets, then EndTxn) takes milliseconds on a healthy cluster. On a replicated
+# cluster the retriable failures are a leader election (a few seconds), a transaction coordinator
+# moving to another broker (the dead one's session timeout, 9 s by default, then the election),
+# a rolling restart, and every broker briefly unreachable (a network partition, a full restart).
+# All of those end by themselves, and a worker that exits meanwhile only gets restarted into the
+# same outage, so retriable errors are waited out for up to two minutes; past that the cluster
+# is not coming back soon, and the worker exits non-zero for its orchestrator to see. A stop
+# request still cuts the wait to the shutdown deadline.
+COMMIT_TIMEOUT_S = 120.0
 # The longest single blocking client call: how late a stop request can be noticed, and so how
 # far past its shutdown deadline a stopping worker can run.
 CALL_TIMEOUT_S = 2.0
-# Pause between retries of a retriable error that came back at once (not a timeout), so a
-# refusing coordinator is not asked hundreds of times a second.
+# Pause between retries of a retriable error that came back at once (not a timeout), doubling up
+# to MAX_RETRY_PAUSE_S: a refusing coordinator is not asked hundreds of times a second, and a
+# long outage costs a request every few seconds rather than a busy loop.
 RETRY_PAUSE_S = 0.2
+MAX_RETRY_PAUSE_S = 5.0
+# While a wait goes on, it is logged again this often (the first error is logged at once).
+STILL_WAITING_LOG_INTERVAL_S = 10.0
 # An orphaned transaction (a worker killed with a random instance id) blocks read_committed
 # readers until it times out; 30 s bounds that stall.
 TRANSACTION_TIMEOUT_MS = 30_000
@@ -49,6 +59,14 @@ REBALANCE_COMMIT_ERRORS = frozenset(
         KafkaError._ASSIGNMENT_LOST,
     }
 )
+
+
+# Why a transaction was aborted, the `cause` label of the worker's abort counter:
+# - abortable_error: the broker refused to commit it (the coordinator timed it out during an
+#   outage, the group moved on); the batch is re-processed from restored state;
+# - partitions_lost: the group took the partitions away (session timeout) before it committed;
+# - stopping_on_error: the worker is exiting after a fatal error and discards what is open.
+ABORT_CAUSES = ("abortable_error", "partitions_lost", "stopping_on_error")
 
 
 class FatalWorkerError(Exception):
@@ -131,6 +149,7 @@ class CommitOutcome:
     finished_at: float  # wall clock
     decoded_tokens: int  # of the checkpoint: redone elsewhere or again when not committed
     rollback: bool = False  # the outputs were discarded: restore and re-consume
+    abort_cause: str | None = None  # why it was aborted (a label of ABORT_CAUSES)
     refused_offsets: dict[int, int] = field(default_factory=dict)  # offer again if still ours
 
 
@@ -152,7 +171,16 @@ class CommitStrategy(Protocol):
         ...
 
     def settle(self) -> CommitOutcome | None: ...
-    def abort(self) -> None: ...
+
+    @property
+    def settled(self) -> bool:
+        """No commit is in flight."""
+        ...
+
+    def abort(self) -> bool:
+        """Discard what is open; True if that aborted a transaction."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -220,6 +248,10 @@ class ExactlyOnce:
         self._in_flight = self._committer.submit(self._commit, offsets, metadata, decoded_tokens)
         return None
 
+    @property
+    def settled(self) -> bool:
+        return self._in_flight is None
+
     def settle(self) -> CommitOutcome | None:
         """Wait for the transaction on the committer thread; abort it if it must be."""
         if self._in_flight is None:
@@ -230,13 +262,14 @@ class ExactlyOnce:
             self.abort()
         return outcome
 
-    def abort(self) -> None:
+    def abort(self) -> bool:
         """Discard the open transaction's records and open the next one."""
         assert self.producer is not None
         self._retry_until_done(
             lambda timeout: self.producer.abort_transaction(timeout), "aborting a transaction"
         )
         self.producer.begin_transaction()
+        return True
 
     def close(self) -> None:
         if self._in_flight is not None:
@@ -268,25 +301,25 @@ class ExactlyOnce:
         except _MustAbort as abort:
             log.warning("transaction must abort (%s); rolling back", abort.error)
             return CommitOutcome(
-                False, time.perf_counter() - started, time.time(), decoded_tokens, rollback=True
+                False,
+                time.perf_counter() - started,
+                time.time(),
+                decoded_tokens,
+                rollback=True,
+                abort_cause="abortable_error",
             )
         self.producer.begin_transaction()
         return CommitOutcome(True, time.perf_counter() - started, time.time(), decoded_tokens)
 
     def _retry_until_done(self, call: Any, what: str) -> None:
         """`call(timeout)` in short calls, retrying retriable errors (a timed-out call is one)
-        until the commit budget or the shutdown deadline ends."""
-        budget_end = time.monotonic() + self.commit_timeout_s
-        last: KafkaError | None = None
+        with a growing pause until the commit budget or the shutdown deadline ends."""
+        wait = _RetryWait(what, self.commit_timeout_s, self.deadline)
         while True:
-            timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, budget_end - time.monotonic()))
-            if timeout <= 0:
-                raise FatalWorkerError(
-                    f"{what} did not finish {self.deadline.describe(self.commit_timeout_s)}; "
-                    f"last error: {last}"
-                )
+            timeout = wait.next_call_timeout()
             try:
                 call(timeout)
+                wait.done()
                 return
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
@@ -296,11 +329,58 @@ class ExactlyOnce:
                     raise _MustAbort(error) from exception
                 if not error.retriable():
                     raise FatalWorkerError(f"{what} failed: {describe_error(error)}") from exception
-                if error.code() != KafkaError._TIMED_OUT:
-                    time.sleep(RETRY_PAUSE_S)
-                if last is None or last.code() != error.code():
-                    log.warning("%s: %s; retrying", what, error)
-                last = error
+                wait.retry_after(error)
+
+
+class _RetryWait:
+    """The bounded, logged backoff of one retried call (see COMMIT_TIMEOUT_S)."""
+
+    def __init__(self, what: str, budget_s: float, deadline: Deadline) -> None:
+        self.what = what
+        self.budget_s = budget_s
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self.pause = RETRY_PAUSE_S
+        self.last: KafkaError | None = None
+        self.logged_at = 0.0
+
+    def next_call_timeout(self) -> float:
+        """The next call's timeout; FatalWorkerError once the budget or the deadline is spent."""
+        left = self.budget_s - (time.monotonic() - self.started)
+        timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, left))
+        if timeout <= 0:
+            raise FatalWorkerError(
+                f"{self.what} did not finish {self.deadline.describe(self.budget_s)}; "
+                f"last error: {self.last}"
+            )
+        return timeout
+
+    def retry_after(self, error: KafkaError) -> None:
+        """Log the error (at once when new, then every STILL_WAITING_LOG_INTERVAL_S) and pause
+        if it came back at once; a timed-out call has already waited its timeout."""
+        now = time.monotonic()
+        changed = self.last is None or self.last.code() != error.code()
+        if changed or now - self.logged_at >= STILL_WAITING_LOG_INTERVAL_S:
+            log.warning(
+                "%s: %s; retrying (waiting %.0f s so far, up to %.0f s)",
+                self.what,
+                error,
+                now - self.started,
+                self.budget_s,
+            )
+            self.logged_at = now
+        self.last = error
+        if error.code() != KafkaError._TIMED_OUT:
+            time.sleep(self.deadline.remaining(self.pause))
+            self.pause = min(self.pause * 2, MAX_RETRY_PAUSE_S)
+
+    def done(self) -> None:
+        if self.last is not None:
+            log.info(
+                "%s succeeded after %.1f s of retriable errors",
+                self.what,
+                time.monotonic() - self.started,
+            )
 
 
 class _MustAbort(Exception):
@@ -373,11 +453,14 @@ class AtLeastOnce:
             refused_offsets=refused,
         )
 
-    def settle(self) -> CommitOutcome | None:
-        return None  # every commit finished before `commit` returned
+    settled = True  # every commit finished before `commit` returned
 
-    def abort(self) -> None:
+    def settle(self) -> CommitOutcome | None:
+        return None
+
+    def abort(self) -> bool:
         """Nothing to discard: what was delivered stays, as duplicates at-least-once allows."""
+        return False
 
     def close(self) -> None:
         pass
