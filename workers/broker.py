@@ -741,6 +741,20 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+def free_port_block(size: int) -> int:
+    """A loopback port P with P..P+size-1 all free: a cluster's client and controller ports.
+
+    Public because the cluster tests and the benchmark start clusters on free ports.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((LOOPBACK, 0))
+            port = probe.getsockname()[1]
+        if port + size <= 65535 and all(port_is_free(p) for p in range(port, port + size)):
+            return port
+    raise BrokerError(f"no block of {size} free loopback ports found in 100 tries")
+
+
 def _pom_kafka_version() -> str:
     namespace = {"m": "http://maven.apache.org/POM/4.0.0"}
     root = ElementTree.parse(KAFKA_LOCAL_DIR / "pom.xml").getroot()

@@ -15,12 +15,13 @@ time.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
 from tests.conftest import REPO_ROOT, missing_resource
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
@@ -79,7 +80,9 @@ def cluster() -> Iterator[broker.ClusterLayout]:
     state_root.mkdir(exist_ok=True)
     data_dir = Path(tempfile.mkdtemp(prefix="cluster-", dir=state_root))
     try:
-        layout = broker.start_cluster(BROKERS, port=free_port_block(2 * BROKERS), data_dir=data_dir)
+        layout = broker.start_cluster(
+            BROKERS, port=broker.free_port_block(2 * BROKERS), data_dir=data_dir
+        )
     except broker.BrokerError as error:
         shutil.rmtree(data_dir, ignore_errors=True)
         missing_resource(f"no Kafka cluster: the local cluster did not start: {error}")
@@ -101,17 +104,6 @@ def all_up(cluster: broker.ClusterLayout) -> broker.ClusterLayout:
             os.kill(node.pid, signal.SIGCONT)
     broker.start_cluster(BROKERS, port=cluster.port, data_dir=cluster.data_dir)
     return cluster
-
-
-def free_port_block(size: int) -> int:
-    """A loopback port P with P..P+size-1 all free (a cluster's client and controller ports)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((broker.LOOPBACK, 0))
-            port = probe.getsockname()[1]
-        if port + size <= 65535 and all(broker.port_is_free(p) for p in range(port, port + size)):
-            return port
-    raise RuntimeError(f"no block of {size} free loopback ports found in 100 tries")
 
 
 # -- finding the broker a fault should hit -----------------------------------------------------
@@ -336,3 +328,54 @@ def test_kill_9_a_worker_while_a_broker_is_down(all_up, tmp_path: Path) -> None:
         broker.start_node(run.cluster.data_dir, leader)
 
     run_with_fault(all_up, tmp_path, fault, "kill -9 worker while a broker is down", seed=106)
+
+
+# -- the command line, on the same cluster -----------------------------------------------------
+
+
+def run_detok(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", *arguments],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_broker_commands_drive_the_cluster_node_by_node(all_up) -> None:
+    data_dir = str(all_up.data_dir)
+    again = run_detok(
+        "broker", "start", "--brokers", "3", "--port", str(all_up.port), "--data-dir", data_dir
+    )
+    assert again.returncode == 0, again.stderr
+    expected_bootstrap = ",".join(f"127.0.0.1:{all_up.port + i}" for i in range(3))
+    assert again.stdout.splitlines()[-1] == f"KAFKA_BOOTSTRAP_SERVERS={expected_bootstrap}"
+
+    status = run_detok("broker", "status", "--json", "--data-dir", data_dir)
+    nodes = json.loads(status.stdout)
+    assert [(n["node_id"], n["port"], n["controller_port"], n["running"]) for n in nodes] == [
+        (i + 1, all_up.port + i, all_up.port + 3 + i, True) for i in range(3)
+    ]
+    assert all(n["roles"] == ["broker", "controller"] for n in nodes)
+
+    stopped = run_detok("broker", "stop", "--node", "3", "--data-dir", data_dir)
+    assert stopped.returncode == 0, stopped.stderr
+    nodes = json.loads(run_detok("broker", "status", "--json", "--data-dir", data_dir).stdout)
+    assert [n["running"] for n in nodes] == [True, True, False]
+    assert broker.metadata_brokers(all_up.bootstrap_servers) == {1, 2}
+
+    started = run_detok("broker", "start", "--node", "3", "--data-dir", data_dir)
+    assert started.returncode == 0, started.stderr
+    assert broker.metadata_brokers(all_up.bootstrap_servers) == {1, 2, 3}
+
+
+def test_topics_on_the_cluster_are_replicated_three_times_with_two_in_sync(all_up) -> None:
+    names = pipeline_topics(all_up.bootstrap_servers)
+    admin = AdminClient({"bootstrap.servers": all_up.bootstrap_servers})
+    metadata = admin.list_topics(names.input, timeout=30)
+    assert all(len(p.replicas) == 3 for p in metadata.topics[names.input].partitions.values())
+    resource = ConfigResource(ResourceType.TOPIC, names.deltas)
+    config = admin.describe_configs([resource])[resource].result(timeout=30)
+    assert config["min.insync.replicas"].value == "2"
