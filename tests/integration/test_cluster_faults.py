@@ -8,7 +8,7 @@ deltas tile every request's seq range exactly once, no good request was dead-let
 workers end with exit 0 (a killed one is restarted).
 
 Each test prints, from its own reading of the committed deltas, the longest gap between two
-committed deltas and the throughput dip around the fault (deltas per second before the fault
+committed deltas and the throughput dip around the fault (generated tokens per second: the run's median
 against the slowest window after it). These are figures for the report; nothing asserts on
 time.
 """
@@ -234,31 +234,37 @@ def report_figures(label: str, run: Run, fault_at: float) -> None:
     Delta timestamps are set when the worker produces them, at the start of their commit; only
     committed ones are read (read_committed), so an aborted batch shows up as a gap.
     """
-    stamps = sorted(m.timestamp()[1] / 1000 for m in read_messages(run.bootstrap, run.names.deltas))
+    deltas = sorted(
+        (message.timestamp()[1] / 1000, json.loads(message.value()))
+        for message in read_messages(run.bootstrap, run.names.deltas)
+    )
+    stamps = [stamp for stamp, _ in deltas]
     gaps = [(b - a, a) for a, b in zip(stamps, stamps[1:], strict=False)]
     longest, gap_start = max(gaps)
     start = stamps[0]
-    windows = Counter(int((stamp - start) // WINDOW_S) for stamp in stamps)
+    windows: Counter[int] = Counter()  # window -> generated tokens committed in it
+    for stamp, delta in deltas:
+        windows[int((stamp - start) // WINDOW_S)] += delta["seq_end"] - delta["seq_start"] + 1
+    # The replay is paced, so the run's median window is its steady rate, whatever the fault.
+    baseline = statistics.median(windows.get(w, 0) / WINDOW_S for w in range(max(windows) + 1))
     fault_window = int((fault_at - start) // WINDOW_S)
-    before = [windows.get(w, 0) / WINDOW_S for w in range(1, fault_window)]
     after = [
         windows.get(w, 0) / WINDOW_S
-        for w in range(fault_window, fault_window + int(60 / WINDOW_S))
-        if w <= max(windows)
+        for w in range(max(fault_window, 0), fault_window + int(60 / WINDOW_S))
+        if w < max(windows)  # the last window is cut short by the end of the stream
     ]
-    baseline = statistics.median(before) if before else float("nan")
     lowest = min(after) if after else float("nan")
     print(
         f"\n[cluster fault] {label}: longest gap between committed deltas {longest:.1f} s "
         f"(starting {gap_start - fault_at:+.1f} s from the fault); throughput "
-        f"{baseline:.0f} deltas/s before the fault, lowest {WINDOW_S:.0f}-s window after it "
-        f"{lowest:.0f} deltas/s ({deltas_dip(baseline, lowest)})"
+        f"{baseline:.0f} tokens/s (median of the run), lowest {WINDOW_S:.0f}-s window after it "
+        f"{lowest:.0f} tokens/s ({throughput_dip(baseline, lowest)})"
     )
 
 
-def deltas_dip(baseline: float, lowest: float) -> str:
-    if not baseline or baseline != baseline:
-        return "no baseline"
+def throughput_dip(baseline: float, lowest: float) -> str:
+    if not baseline or lowest != lowest:
+        return "no figure"
     return f"dip {100 * (1 - lowest / baseline):.0f}%"
 
 
