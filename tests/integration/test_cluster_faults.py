@@ -235,8 +235,11 @@ def report_figures(label: str, run: Run, fault_at: float) -> None:
     committed ones are read (read_committed), so an aborted batch shows up as a gap.
     """
     deltas = sorted(
-        (message.timestamp()[1] / 1000, json.loads(message.value()))
-        for message in read_messages(run.bootstrap, run.names.deltas)
+        (
+            (message.timestamp()[1] / 1000, json.loads(message.value()))
+            for message in read_messages(run.bootstrap, run.names.deltas)
+        ),
+        key=lambda stamped: stamped[0],
     )
     stamps = [stamp for stamp, _ in deltas]
     gaps = [(b - a, a) for a, b in zip(stamps, stamps[1:], strict=False)]
