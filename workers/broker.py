@@ -36,6 +36,7 @@ import base64
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -120,6 +121,8 @@ POLL_INTERVAL_S = 0.25
 # broker that is still starting from eating into the overall start bound.
 METADATA_TIMEOUT_S = 2.0
 LOG_TAIL_LINES = 40
+# Where `free_port_block` starts looking: above the well-known and most registered service ports.
+PORT_BLOCK_FLOOR = 20000
 
 
 class BrokerError(Exception):
@@ -744,15 +747,26 @@ def port_is_free(port: int) -> bool:
 def free_port_block(size: int) -> int:
     """A loopback port P with P..P+size-1 all free: a cluster's client and controller ports.
 
-    Public because the cluster tests and the benchmark start clusters on free ports.
+    Drawn below the kernel's ephemeral range: a node stopped for a drill must get its ports back
+    when it restarts, and a port in the ephemeral range may meanwhile become the local end of
+    any outgoing connection on the machine (seen: a node that could not restart, "Address
+    already in use"). Public because the cluster tests and the benchmark start clusters.
     """
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((LOOPBACK, 0))
-            port = probe.getsockname()[1]
-        if port + size <= 65535 and all(port_is_free(p) for p in range(port, port + size)):
+    low, high = PORT_BLOCK_FLOOR, _ephemeral_floor()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(low, 1024), high - size)
+        if all(port_is_free(p) for p in range(port, port + size)):
             return port
-    raise BrokerError(f"no block of {size} free loopback ports found in 100 tries")
+    raise BrokerError(f"no block of {size} free loopback ports found below {high}")
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux; else 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _pom_kafka_version() -> str:
