@@ -46,7 +46,7 @@ import time
 import uuid
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.kafka_clients import KafkaConnection, make_admin
@@ -143,6 +143,20 @@ class NotACluster(BrokerError):
 
 
 @dataclass(frozen=True)
+class BrokerSecurity:
+    """What a secured broker adds to the plain one; `workers.secure_broker` makes it.
+
+    Kept to three plain values so this module knows nothing of TLS or SASL: server properties
+    over the template's (listeners, authorizer, ...), arguments for the storage format (the
+    bootstrap SCRAM users), and the client settings the readiness probe connects with.
+    """
+
+    server_properties: Mapping[str, str]
+    format_arguments: tuple[str, ...] = ()
+    probe_properties: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RunningBroker:
     """A broker process that answers on `bootstrap_servers`."""
 
@@ -216,12 +230,12 @@ class NodeStatus:
 def start_broker(
     port: int = DEFAULT_PORT,
     data_dir: Path = DEFAULT_DATA_DIR,
-    server_properties: Mapping[str, str] | None = None,
+    security: BrokerSecurity | None = None,
 ) -> RunningBroker:
     """Start the broker of `data_dir` on `port` and return once it answers metadata requests.
 
-    `server_properties` override or extend the template (listeners of another security
-    protocol, say); they apply to the formatting and to every start.
+    `security`'s server properties override or extend the template; they apply to the
+    formatting and to every start.
 
     Idempotent: if this data directory's broker already runs, it is waited for and returned, so
     `detok broker start` twice is harmless. Raises PortInUse if something else holds the ports,
@@ -237,7 +251,7 @@ def start_broker(
                 f"the broker of {data_dir} already runs on port {running.port}, not {port}; "
                 "stop it first or use another --data-dir"
             )
-        _wait_until_ready(running, process=None)
+        _wait_until_ready(running, process=None, security=security)
         return running
 
     controller_port = port + 1
@@ -258,15 +272,15 @@ def start_broker(
             "advertised.listeners": f"PLAINTEXT://{LOOPBACK}:{port}",
             "controller.quorum.voters": f"1@{controller}",
             "log.dirs": str(data_dir / "kafka-logs"),
-            **(server_properties or {}),
+            **(security.server_properties if security else {}),
         },
     )
     if not (data_dir / "kafka-logs" / "meta.properties").exists():
-        _format_storage(properties, new_cluster_id())
+        _format_storage(properties, new_cluster_id(), security.format_arguments if security else ())
     process = _launch(data_dir, properties, port, JVM_OPTIONS)
     broker = RunningBroker(pid=process.pid, port=port, data_dir=data_dir)
     try:
-        _wait_until_ready(broker, process=process)
+        _wait_until_ready(broker, process=process, security=security)
     except BrokerStartFailed:
         _terminate(broker.pid)
         _pid_file(data_dir).unlink(missing_ok=True)
@@ -601,7 +615,9 @@ def _render_server_properties(node_dir: Path, overrides: Mapping[str, str]) -> P
     return rendered
 
 
-def _format_storage(properties: Path, cluster_id: str) -> None:
+def _format_storage(
+    properties: Path, cluster_id: str, extra_arguments: tuple[str, ...] = ()
+) -> None:
     """Format a fresh KRaft log directory (static quorum, so no --standalone); every node of one
     cluster is formatted with the same `cluster_id`."""
     command = [
@@ -615,6 +631,7 @@ def _format_storage(properties: Path, cluster_id: str) -> None:
         cluster_id,
         "-c",
         str(properties),
+        *extra_arguments,
     ]
     # Format takes ~1 s; 120 s only guards against a wedged JVM on a loaded machine.
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
@@ -629,10 +646,12 @@ def _wait_until_ready(
     broker: RunningBroker,
     process: subprocess.Popen[bytes] | None,
     ready: Callable[[], bool] | None = None,
+    security: BrokerSecurity | None = None,
 ) -> None:
-    """Block until `ready()` (default: a metadata request succeeds); fail fast if the broker
-    process exits."""
-    ready = ready or (lambda: answers_metadata(broker.bootstrap_servers))
+    """Block until `ready()` (default: a metadata request succeeds, with `security`'s probe
+    settings); fail fast if the broker process exits."""
+    probe = security.probe_properties if security else {}
+    ready = ready or (lambda: answers_metadata(broker.bootstrap_servers, probe))
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         exited = process.poll() is not None if process else not _is_alive(broker.pid)
@@ -650,16 +669,18 @@ def _wait_until_ready(
     )
 
 
-def answers_metadata(bootstrap_servers: str) -> bool:
+def answers_metadata(bootstrap_servers: str, properties: Mapping[str, str] | None = None) -> bool:
     """True if a broker at `bootstrap_servers` answers a metadata request listing itself.
 
     A plain TCP connect comes first so a closed port costs nothing and librdkafka does not log
     connection-refused errors while the broker is still starting.
     """
-    return bool(metadata_brokers(bootstrap_servers))
+    return bool(metadata_brokers(bootstrap_servers, properties))
 
 
-def metadata_brokers(bootstrap_servers: str) -> set[int]:
+def metadata_brokers(
+    bootstrap_servers: str, properties: Mapping[str, str] | None = None
+) -> set[int]:
     """The node ids of the live brokers a metadata request to `bootstrap_servers` lists; empty if
     none answers. A TCP connect to the first address comes first (see `answers_metadata`)."""
     host, _, port = bootstrap_servers.split(",")[0].rpartition(":")
@@ -669,7 +690,7 @@ def metadata_brokers(bootstrap_servers: str) -> set[int]:
     except OSError:
         return set()
     try:
-        metadata = make_admin(KafkaConnection(bootstrap_servers)).list_topics(
+        metadata = make_admin(KafkaConnection(bootstrap_servers, properties or {})).list_topics(
             timeout=METADATA_TIMEOUT_S
         )
     except Exception:  # KafkaException while the broker is still coming up

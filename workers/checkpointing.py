@@ -171,10 +171,8 @@ class CommitStrategy(Protocol):
         ...
 
     def settle(self) -> CommitOutcome | None: ...
-
-    @property
-    def settled(self) -> bool:
-        """No commit is in flight."""
+    def committing(self) -> bool:
+        """True while the last commit is still under way (`settle` would wait for it)."""
         ...
 
     def abort(self) -> bool:
@@ -248,10 +246,6 @@ class ExactlyOnce:
         self._in_flight = self._committer.submit(self._commit, offsets, metadata, decoded_tokens)
         return None
 
-    @property
-    def settled(self) -> bool:
-        return self._in_flight is None
-
     def settle(self) -> CommitOutcome | None:
         """Wait for the transaction on the committer thread; abort it if it must be."""
         if self._in_flight is None:
@@ -261,6 +255,9 @@ class ExactlyOnce:
         if outcome.rollback:
             self.abort()
         return outcome
+
+    def committing(self) -> bool:
+        return self._in_flight is not None and not self._in_flight.done()
 
     def abort(self) -> bool:
         """Discard the open transaction's records and open the next one."""
@@ -453,10 +450,11 @@ class AtLeastOnce:
             refused_offsets=refused,
         )
 
-    settled = True  # every commit finished before `commit` returned
-
     def settle(self) -> CommitOutcome | None:
-        return None
+        return None  # every commit finished before `commit` returned
+
+    def committing(self) -> bool:
+        return False
 
     def abort(self) -> bool:
         """Nothing to discard: what was delivered stays, as duplicates at-least-once allows."""

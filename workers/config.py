@@ -7,12 +7,14 @@ the same thing, validated the same way, and the bounds below are documented once
 from __future__ import annotations
 
 import uuid
+from functools import cached_property
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from workers.kafka_clients import KafkaConnection
+from workers.kafka_clients import KafkaConnection, configured_connection
 from workers.topic_names import TopicNames
 
 Guarantee = Literal["exactly-once", "at-least-once"]
@@ -21,7 +23,8 @@ Guarantee = Literal["exactly-once", "at-least-once"]
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DETOK_", env_nested_delimiter="__", frozen=True)
 
-    bootstrap_servers: str
+    # Else `bootstrap.servers` of the Kafka config, else $KAFKA_BOOTSTRAP_SERVERS (`connection`).
+    bootstrap_servers: str | None = None
     # `MODEL=PATH` specs, as for `detok run`; `MODEL=N` for models whose embedding is larger.
     tokenizers: list[str] = Field(min_length=1)
     model_vocab_sizes: list[str] = []
@@ -43,6 +46,14 @@ class WorkerSettings(BaseSettings):
     # from librdkafka's own thread is never silent that long unless dead, and 10 s bounds the
     # stall a kill -9 causes.
     session_timeout_ms: int = Field(10_000, ge=1000, le=300_000)
+    # Static group membership (KIP-345): the consumer joins as `group.instance.id` =
+    # `instance_id`. A member that restarts with the same id within the session timeout gets its
+    # partitions back without a rebalance (no revoke, no restore elsewhere, the other members
+    # never pause); the price is that a member that is gone for good (or only stopping: a static
+    # member does not leave the group on close) holds its partitions, unconsumed, until the
+    # session timeout ends. Worth it with a stable `instance_id` per replica (a StatefulSet's pod
+    # name) and restarts faster than the session timeout; pointless with a random id.
+    static_membership: bool = False
     # Upper bound on records per consume call: big enough to amortise the per-batch decode round
     # and Python overhead, small enough that one batch takes milliseconds.
     max_batch: int = Field(2000, ge=1, le=100_000)
@@ -59,13 +70,20 @@ class WorkerSettings(BaseSettings):
     # the final commit and the leave are cut short. Under a container's usual 30 s grace period,
     # so the orchestrator never has to SIGKILL a worker mid-commit.
     shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
-    # Kafka client settings passed through unchanged to every client (e.g. security), given as a
-    # JSON object (`DETOK_KAFKA_CONFIG='{"security.protocol": "SSL"}'`).
-    kafka_config: dict[str, str] = {}
+    # Client settings for every Kafka client (TLS, SASL, tuning): a librdkafka properties file
+    # (`--kafka-config`, DETOK_KAFKA_CONFIG_FILE) and `-X key=value` over it; see
+    # workers/kafka_config.py. Read when `connection` is first asked for, outside pydantic's
+    # validation, whose errors would quote the values (passwords included).
+    kafka_config_file: Path | None = None
+    kafka_overrides: list[str] = []
 
-    @property
+    @cached_property
     def connection(self) -> KafkaConnection:
-        return KafkaConnection(self.bootstrap_servers, self.kafka_config)
+        """Raises KafkaConfigError for a config detok refuses or no bootstrap address
+        (DETOK_BOOTSTRAP_SERVERS and --bootstrap-servers set `bootstrap_servers`)."""
+        return configured_connection(
+            self.bootstrap_servers, self.kafka_config_file, self.kafka_overrides
+        )
 
     @property
     def transactional_id(self) -> str:

@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from workers.cli import build_parser
 from workers.commands.worker import settings_from_args
+from workers.kafka_config import KafkaConfigError
 
 
 def parse(*argv: str):
@@ -48,8 +49,8 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
 def test_invalid_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DETOK_BOOTSTRAP_SERVERS", raising=False)
     monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
-    with pytest.raises(ValidationError):
-        parse("--tokenizer", "m=/p")  # no bootstrap servers anywhere
+    with pytest.raises(KafkaConfigError, match="no Kafka bootstrap servers"):
+        _ = parse("--tokenizer", "m=/p").connection  # no bootstrap servers anywhere
     with pytest.raises(ValidationError):
         parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p", "--commit-interval-ms", "0")
     with pytest.raises(ValidationError):
@@ -73,3 +74,12 @@ def test_start_up_and_shutdown_are_bounded_by_default(monkeypatch: pytest.Monkey
     settings = parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p", "--shutdown-timeout", "5")
     assert settings.shutdown_timeout_s == 5
     assert settings.connection.bootstrap_servers == "b:1"
+
+
+def test_static_membership_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DETOK_STATIC_MEMBERSHIP", raising=False)
+    assert not parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p").static_membership
+    flagged = parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p", "--static-membership")
+    assert flagged.static_membership
+    monkeypatch.setenv("DETOK_STATIC_MEMBERSHIP", "true")
+    assert parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p").static_membership

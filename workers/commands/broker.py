@@ -27,6 +27,7 @@ from workers.broker import (
     stop_node,
 )
 from workers.commands.options import positive_int
+from workers.secure_broker import probe_properties, start_secure_broker
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +54,14 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="nodes: 1 (default) is a single broker; 3 is a replicated cluster",
     )
+    start.add_argument(
+        "--security",
+        choices=["plaintext", "sasl-ssl"],
+        default="plaintext",
+        help="sasl-ssl (one broker only): TLS + SCRAM users admin/worker/reader/producer, ACLs "
+        "enforced; writes <user>.properties client configs into the data dir "
+        "(see workers/secure_broker.py)",
+    )
     start.set_defaults(func=_cli_start)
 
     stop = actions.add_parser("stop", help="stop the broker or every node (SIGTERM, SIGKILL)")
@@ -76,6 +85,9 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _cli_start(args: argparse.Namespace) -> int:
     try:
+        if args.security != "plaintext" and (args.node is not None or args.brokers > 1):
+            print("detok broker start: --security is for one broker", file=sys.stderr)
+            return 2
         if args.node is not None:
             node = start_node(args.data_dir, args.node)
             print(f"Kafka node {node.node_id} pid {node.pid}, data dir {node.data_dir}")
@@ -86,6 +98,12 @@ def _cli_start(args: argparse.Namespace) -> int:
                 print(f"Kafka node {node.node_id} pid {node.pid} on {LOOPBACK}:{node.port}")
             print(f"cluster data dir {layout.data_dir}")
             bootstrap = layout.bootstrap_servers
+        elif args.security == "sasl-ssl":
+            secured = start_secure_broker(port=args.port, data_dir=args.data_dir)
+            print(f"Kafka broker pid {secured.running.pid}, data dir {secured.running.data_dir}")
+            for user, path in secured.client_configs.items():
+                print(f"KAFKA_CONFIG_{user.upper()}={path}")
+            bootstrap = secured.running.bootstrap_servers
         else:
             broker = start_broker(port=args.port, data_dir=args.data_dir)
             print(f"Kafka broker pid {broker.pid}, data dir {broker.data_dir}")
@@ -142,7 +160,9 @@ def _cli_status(args: argparse.Namespace) -> int:
     if broker is None:
         print(f"not running (data dir {args.data_dir.resolve()})")
         return 1
-    state = "ready" if answers_metadata(broker.bootstrap_servers) else "starting or unresponsive"
+    probe = probe_properties(broker.data_dir)
+    ready = answers_metadata(broker.bootstrap_servers, probe)
+    state = "ready" if ready else "starting or unresponsive"
     print(f"running ({state}): pid {broker.pid}, data dir {broker.data_dir}")
     print(f"KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
     return 0
