@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import kubernetes_validate
@@ -89,16 +90,21 @@ def test_the_worker_understands_every_variable_the_manifests_set() -> None:
             assert name in fields or name == CONFIG_FILE_ENV, f"{kind} sets unknown {name}"
 
 
-def test_the_worker_settings_the_statefulset_gives_are_valid(tmp_path: Path) -> None:
-    """The StatefulSet's literal values parse as the worker's settings (pydantic validates types
-    and bounds), with the pod name where the downward API puts it."""
-    variables = {
-        name: item.get("value", "detok-worker-0") for name, item in env("StatefulSet").items()
-    }
-    variables.pop(CONFIG_FILE_ENV)
-    settings = WorkerSettings(**{k.removeprefix("DETOK_").lower(): v for k, v in variables.items()})
+def test_the_worker_settings_the_statefulset_gives_are_valid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The StatefulSet's literal values, read from the environment as the pod's worker reads
+    them (pydantic-settings parses and validates types and bounds), with the pod name where the
+    downward API puts it."""
+    for name in [n for n in os.environ if n.startswith("DETOK_")]:
+        monkeypatch.delenv(name)
+    for name, item in env("StatefulSet").items():
+        if name != CONFIG_FILE_ENV:  # read when connecting, from the mounted Secret
+            monkeypatch.setenv(name, item.get("value", "detok-worker-0"))
+    settings = WorkerSettings()
     assert settings.instance_id == "detok-worker-0"
     assert settings.metrics_port == DEFAULT_METRICS_PORT
+    assert settings.static_membership is True
 
 
 def test_instance_id_is_the_pod_name() -> None:
@@ -108,7 +114,8 @@ def test_instance_id_is_the_pod_name() -> None:
     )
 
 
-def test_the_commands_the_manifests_run_exist() -> None:
+def test_the_commands_the_manifests_run_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)  # the pods have none either
     parser = build_parser()
     for kind in ("StatefulSet", "Job"):
         args = container(kind)["args"]
