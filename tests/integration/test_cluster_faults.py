@@ -193,6 +193,9 @@ def run_with_fault(
     run = Run(cluster, tmp_path, unique_name("g"), names, {})
     for instance_id in ("w0", "w1"):
         run.start(instance_id)
+    # The stream starts once both workers hold partitions: a worker takes seconds to load its
+    # tokenizers, and a stream replayed meanwhile would be a backlog drained before the fault.
+    wait_until_both_restored(run)
     replayer = Replayer(cluster.bootstrap_servers, source, names.input, REPLAY_RATE)
     replayer.start()
     try:
@@ -216,6 +219,23 @@ def run_with_fault(
     assert_deltas_cover_exactly_once(run.bootstrap, names, expected)
     assert list(read_messages(run.bootstrap, names.dead_letters)) == []
     report_figures(label, run, fault_at)
+
+
+def wait_until_both_restored(run: Run) -> None:
+    """Until each worker has logged a restore of the partitions the group gave it."""
+    deadline = time.monotonic() + WAIT_BOUND_S * 2
+    while True:
+        logs = [
+            "".join(path.read_text() for path in run.tmp_path.glob(f"worker-{instance_id}-*"))
+            for instance_id in run.workers
+        ]
+        if all("restored " in log for log in logs):
+            return
+        exited = {i: w.returncode for i, w in run.workers.items() if w.poll() is not None}
+        assert not exited, f"workers exited early: {exited}"
+        if time.monotonic() > deadline:
+            pytest.fail("the workers were not both assigned partitions within the wait bound")
+        time.sleep(0.5)
 
 
 def wait_for_completions(run: Run, count: int, bound_s: float) -> None:
