@@ -8,8 +8,8 @@ deltas tile every request's seq range exactly once, no good request was dead-let
 workers end with exit 0 (a killed one is restarted).
 
 Each test prints, from its own reading of the committed deltas, the longest gap between two
-committed deltas and the throughput dip around the fault (generated tokens per second: the run's
-median against the slowest window after the fault). These are figures for the report; nothing
+committed deltas and the throughput dip around the fault (input events whose text was committed,
+per second: the run's median against the slowest window after the fault). These are figures for the report; nothing
 asserts on time.
 """
 
@@ -265,7 +265,8 @@ def report_figures(label: str, run: Run, fault_at: float) -> None:
     gaps = [(b - a, a) for a, b in zip(stamps, stamps[1:], strict=False)]
     longest, gap_start = max(gaps)
     start = stamps[0]
-    windows: Counter[int] = Counter()  # window -> generated tokens committed in it
+    # window -> input events (seq numbers: each tokens event carries up to 16 ids) committed in it
+    windows: Counter[int] = Counter()
     for stamp, delta in deltas:
         windows[int((stamp - start) // WINDOW_S)] += delta["seq_end"] - delta["seq_start"] + 1
     # The replay is paced, so the run's median window is its steady rate, whatever the fault.
@@ -280,8 +281,8 @@ def report_figures(label: str, run: Run, fault_at: float) -> None:
     print(
         f"\n[cluster fault] {label}: longest gap between committed deltas {longest:.1f} s "
         f"(starting {gap_start - fault_at:+.1f} s from the fault); throughput "
-        f"{baseline:.0f} tokens/s (median of the run), lowest {WINDOW_S:.0f}-s window after it "
-        f"{lowest:.0f} tokens/s ({throughput_dip(baseline, lowest)})"
+        f"{baseline:.0f} events/s (median of the run), lowest {WINDOW_S:.0f}-s window after it "
+        f"{lowest:.0f} events/s ({throughput_dip(baseline, lowest)})"
     )
 
 
