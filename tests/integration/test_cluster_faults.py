@@ -9,8 +9,8 @@ workers end with exit 0 (a killed one is restarted).
 
 Each test prints, from its own reading of the committed deltas, the longest gap between two
 committed deltas and the throughput dip around the fault (input events whose text was committed,
-per second: the run's median against the slowest window after the fault). These are figures for the report; nothing
-asserts on time.
+per second: the run's median against the slowest window after the fault). These are figures for
+the report; nothing asserts on time.
 """
 
 from __future__ import annotations
