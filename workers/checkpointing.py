@@ -16,6 +16,8 @@ stopping worker alive for minutes during a broker outage.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +48,15 @@ RETRY_PAUSE_S = 0.2
 MAX_RETRY_PAUSE_S = 5.0
 # While a wait goes on, it is logged again this often (the first error is logged at once).
 STILL_WAITING_LOG_INTERVAL_S = 10.0
+# A transactional client call is given at most CALL_TIMEOUT_S, yet after every broker of a
+# cluster was stopped and started again, abort_transaction and send_offsets_to_transaction were
+# seen never to return (both workers of a test silent for minutes; librdkafka #3779 and #4420
+# report such blocked transactional calls). A call still running this long after it started is
+# wedged inside the client: the worker exits (BLOCKED_CALL_EXIT_CODE, the cause logged) for its
+# supervisor to restart it, and the restart's init_transactions fences and aborts what was open,
+# so nothing is lost or duplicated. Far above any call's own timeout, so only a wedge trips it.
+BLOCKED_CALL_LIMIT_S = 60.0
+BLOCKED_CALL_EXIT_CODE = 70  # EX_SOFTWARE: an internal error, restart me
 # An orphaned transaction (a worker killed with a random instance id) blocks read_committed
 # readers until it times out; 30 s bounds that stall.
 TRANSACTION_TIMEOUT_MS = 30_000
@@ -222,6 +233,7 @@ class ExactlyOnce:
         self.commit_timeout_s = commit_timeout_s
         self.producer: Producer | None = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detok-commit")
+        self._watchdog = _CallWatchdog()
         self._in_flight: Future[CommitOutcome] | None = None
 
     def producer_settings(self) -> dict[str, Any]:
@@ -237,7 +249,7 @@ class ExactlyOnce:
             lambda timeout: producer.init_transactions(timeout),
             "initialising transactions (is the broker reachable?)",
         )
-        producer.begin_transaction()
+        self._begin()
 
     def commit(
         self, consumer: Consumer, offsets: list[TopicPartition], decoded_tokens: int
@@ -265,7 +277,7 @@ class ExactlyOnce:
         self._retry_until_done(
             lambda timeout: self.producer.abort_transaction(timeout), "aborting a transaction"
         )
-        self.producer.begin_transaction()
+        self._begin()
         return True
 
     def close(self) -> None:
@@ -305,8 +317,17 @@ class ExactlyOnce:
                 rollback=True,
                 abort_cause="abortable_error",
             )
-        self.producer.begin_transaction()
+        self._begin()
         return CommitOutcome(True, time.perf_counter() - started, time.time(), decoded_tokens)
+
+    def _begin(self) -> None:
+        """Open the next transaction (a local call without a timeout of its own: watched)."""
+        assert self.producer is not None
+        self._watchdog.calling("beginning a transaction")
+        try:
+            self.producer.begin_transaction()
+        finally:
+            self._watchdog.returned()
 
     def _retry_until_done(self, call: Any, what: str) -> None:
         """`call(timeout)` in short calls, retrying retriable errors (a timed-out call is one)
@@ -315,7 +336,11 @@ class ExactlyOnce:
         while True:
             timeout = wait.next_call_timeout()
             try:
-                call(timeout)
+                self._watchdog.calling(what)
+                try:
+                    call(timeout)
+                finally:
+                    self._watchdog.returned()
                 wait.done()
                 return
             except KafkaException as exception:
@@ -327,6 +352,43 @@ class ExactlyOnce:
                 if not error.retriable():
                     raise FatalWorkerError(f"{what} failed: {describe_error(error)}") from exception
                 wait.retry_after(error)
+
+
+class _CallWatchdog:
+    """Ends the process when one client call runs past BLOCKED_CALL_LIMIT_S (see there).
+
+    A daemon thread that only reads a timestamp: the call itself cannot be interrupted from
+    Python, and a worker wedged in it would otherwise hold its partitions without progress until
+    the liveness probe (workers/health.py) restarts it minutes later.
+    """
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+        self._what = ""
+        threading.Thread(target=self._watch, daemon=True, name="detok-call-watchdog").start()
+
+    def calling(self, what: str) -> None:
+        self._what, self._started = what, time.monotonic()
+
+    def returned(self) -> None:
+        self._started = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            started = self._started
+            if started is not None and time.monotonic() - started > BLOCKED_CALL_LIMIT_S:
+                log.critical(
+                    "%s: the Kafka client call has not returned for %.0f s although its timeout "
+                    "is %.0f s; exiting (code %d) so that a restart fences and aborts the open "
+                    "transaction",
+                    self._what,
+                    time.monotonic() - started,
+                    CALL_TIMEOUT_S,
+                    BLOCKED_CALL_EXIT_CODE,
+                )
+                logging.shutdown()
+                os._exit(BLOCKED_CALL_EXIT_CODE)
 
 
 class _RetryWait:

@@ -48,6 +48,7 @@ from tests.integration.worker_harness import (
     write_jsonl,
 )
 from workers import broker
+from workers.checkpointing import BLOCKED_CALL_EXIT_CODE
 from workers.replay import replay
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -239,8 +240,15 @@ def wait_until_both_restored(run: Run) -> None:
 
 
 def wait_for_completions(run: Run, count: int, bound_s: float) -> None:
+    """Until `count` completions are visible. A worker that exited because a Kafka client call
+    wedged (BLOCKED_CALL_EXIT_CODE, see workers/checkpointing.py) is restarted under its instance
+    id, as its supervisor would; any other exit fails the test."""
     deadline = time.monotonic() + bound_s
     while len(completions_on(run.bootstrap, run.names)) < count:
+        for instance_id, worker in list(run.workers.items()):
+            if worker.poll() == BLOCKED_CALL_EXIT_CODE:
+                print(f"\n[cluster fault] {instance_id} exited on a wedged client call; restarted")
+                run.start(instance_id)
         exited = {i: w.returncode for i, w in run.workers.items() if w.poll() is not None}
         assert not exited, f"workers exited early: {exited}"
         if time.monotonic() > deadline:
