@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
+from pipeline.generations import DEFAULT_CHUNK_SIZE
 from tests.conftest import REPO_ROOT, missing_resource
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.worker_harness import (
@@ -49,7 +50,8 @@ from tests.integration.worker_harness import (
 )
 from workers import broker
 from workers.checkpointing import BLOCKED_CALL_EXIT_CODE
-from workers.replay import replay
+from workers.kafka_clients import DeliveryTracker, KafkaConnection, make_producer
+from workers.replay import replay_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,6 +73,9 @@ DOWN_S = 10.0
 # Completions of a whole run must all arrive within this bound once the replay ended: the
 # workers may still be riding out the end of a fault.
 COMPLETION_BOUND_S = 150.0
+# The test's input producer waits this long for an acknowledgement: longer than every broker
+# down for ALL_DOWN_S plus a slow restart of all three.
+PRODUCER_TIMEOUT_MS = 300_000
 # Throughput is counted in windows of this length: one second is too noisy at ~50 deltas/s.
 WINDOW_S = 2.0
 
@@ -166,7 +171,12 @@ class Run:
 
 
 class Replayer(threading.Thread):
-    """`detok replay`'s code at a pace, in the background; keeps its error for the test."""
+    """`detok replay`'s records at a pace, in the background; keeps its error for the test.
+
+    Its own producer rather than `workers.replay.replay`, whose records time out after 60 s: on
+    a loaded machine every broker stopped for 20 s and restarted takes longer than that, and the
+    stream must survive the outage as a real producer configured for it would.
+    """
 
     def __init__(self, bootstrap: str, source: Path, topic: str, rate: float) -> None:
         super().__init__(daemon=True)
@@ -176,7 +186,18 @@ class Replayer(threading.Thread):
     def run(self) -> None:
         bootstrap, source, topic, rate = self.args
         try:
-            replay(bootstrap, source, topic, rate=rate, progress=False)
+            producer = make_producer(
+                KafkaConnection(bootstrap),
+                {"linger.ms": 20, "message.timeout.ms": PRODUCER_TIMEOUT_MS},
+            )
+            tracker = DeliveryTracker()
+            lines = iter(source.read_bytes().splitlines())
+            started = time.monotonic()
+            for sent, (key, value) in enumerate(replay_events(lines, DEFAULT_CHUNK_SIZE)):
+                tracker.produce(producer, topic, value, key=key)
+                ahead = started + sent / rate - time.monotonic()
+                producer.poll(max(ahead, 0.0))
+            tracker.settle(producer, PRODUCER_TIMEOUT_MS / 1000)
         except BaseException as error:  # reported by the test, not lost in the thread
             self.error = error
 
