@@ -50,6 +50,7 @@ from tests.integration.worker_harness import (
 )
 from workers import broker
 from workers.checkpointing import BLOCKED_CALL_EXIT_CODE
+from workers.formats.jsonl import jsonl_records
 from workers.kafka_clients import DeliveryTracker, KafkaConnection, make_producer
 from workers.replay import replay_events
 
@@ -191,9 +192,9 @@ class Replayer(threading.Thread):
                 {"linger.ms": 20, "message.timeout.ms": PRODUCER_TIMEOUT_MS},
             )
             tracker = DeliveryTracker()
-            lines = iter(source.read_bytes().splitlines())
+            records = jsonl_records(source.read_bytes().splitlines())
             started = time.monotonic()
-            for sent, (key, value) in enumerate(replay_events(lines, DEFAULT_CHUNK_SIZE)):
+            for sent, (key, value) in enumerate(replay_events(records, DEFAULT_CHUNK_SIZE)):
                 tracker.produce(producer, topic, value, key=key)
                 ahead = started + sent / rate - time.monotonic()
                 producer.poll(max(ahead, 0.0))
