@@ -39,6 +39,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -63,7 +64,14 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import parse_event
-from workers.broker import answers_metadata, broker_status, start_broker
+from workers.broker import (
+    answers_metadata,
+    broker_status,
+    free_port_block,
+    start_broker,
+    start_cluster,
+    stop_cluster,
+)
 from workers.formats.jsonl import jsonl_records
 from workers.kafka_clients import KafkaConnection, make_consumer, make_producer
 from workers.process_policy import tune_garbage_collector
@@ -775,6 +783,11 @@ def main(argv: list[str] | None = None) -> int:
         "beside this tree's in the same rotation: before/after figures from one run",
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--three-brokers",
+        action="store_true",
+        help="also: 1 worker exactly-once on a local three-node cluster beside one broker",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.active = 4000, 4000
@@ -875,6 +888,9 @@ def main(argv: list[str] | None = None) -> int:
             shown = "never" if first is None else f"{first:.2f} s"
             note(f"{tree.label}: joining worker's first output {shown} after its assignment")
     memory = memory_and_restore(bootstrap, workload, args.active, logs)
+    three_brokers = None
+    if args.three_brokers:
+        three_brokers = three_broker_row(bootstrap, workload, input_topic, logs, note)
     delete_topics(bootstrap, [input_topic])
 
     report = {
@@ -919,6 +935,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit_interval_ms": COMMIT_INTERVAL_MS,
         "logs": str(logs),
     }
+    if three_brokers is not None:
+        report["three_brokers"] = three_brokers
     if args.profile:
         frames = top_frames(args.profile / "worker-eos.raw")
         report["profile_top_self"] = [[share, frame] for share, frame in frames]
@@ -927,6 +945,42 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_table(report)
     return 0
+
+
+def three_broker_row(
+    bootstrap: str, workload: Workload, input_topic: str, logs: Path, note: Any
+) -> dict[str, float]:
+    """One worker, exactly-once, on a local three-node cluster (replication 3, min ISR 2, so
+    every transaction waits for a second replica) and, right before it, on the one broker: the
+    cost of replication, paired in one run."""
+    single = run_workers(bootstrap, workload, input_topic, 1, "exactly-once", logs, None)
+    data_dir = Path(tempfile.mkdtemp(prefix="detok-bench-cluster-"))
+    cluster = start_cluster(3, port=free_port_block(6), data_dir=data_dir)
+    try:
+        cluster_topic = f"bench-{uuid.uuid4().hex[:8]}.tokens"
+        ensure_topics(cluster.bootstrap_servers, topics("unused", cluster_topic), PARTITIONS)
+        replay(
+            cluster.bootstrap_servers,
+            workload.path,
+            cluster_topic,
+            chunk_size=CHUNK,
+            progress=False,
+        )
+        three = run_workers(
+            cluster.bootstrap_servers, workload, cluster_topic, 1, "exactly-once", logs, None
+        )
+    finally:
+        stop_cluster(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    note(
+        f"1 worker, exactly-once: one broker {single.tokens_per_s:,.0f} tokens/s, three brokers "
+        f"{three.tokens_per_s:,.0f} tokens/s ({three.tokens_per_s / single.tokens_per_s:.2f}x)"
+    )
+    return {
+        "one_broker_tokens_per_s": single.tokens_per_s,
+        "three_brokers_tokens_per_s": three.tokens_per_s,
+        "ratio": three.tokens_per_s / single.tokens_per_s,
+    }
 
 
 def _in_turn(trees: list[Tree], repeat: int) -> list[Tree]:

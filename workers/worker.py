@@ -51,6 +51,7 @@ from workers.checkpointing import (
     strategy_for,
 )
 from workers.config import WorkerSettings
+from workers.health import Health
 from workers.kafka_clients import AUTHORIZATION_ERRORS, make_consumer, make_producer
 from workers.output_limits import OutputLimits
 from workers.output_writer import OutputWriter
@@ -97,8 +98,10 @@ class Worker:
         metrics: PrometheusMetrics,
         limits: OutputLimits,
         stop: StopRequest | None = None,
+        health: Health | None = None,
     ) -> None:
         self.settings = settings
+        self.health = health or Health()
         self.topics = settings.topics
         self.connection = settings.connection
         self.metrics = metrics
@@ -118,6 +121,7 @@ class Worker:
         self.strategy = strategy_for(settings.guarantee, settings.transactional_id, self.deadline)
         self.owners: dict[str, int] = {}  # request id -> input partition, for requests with state
         self.assigned: set[int] = set()
+        self.joined = False  # the group has assigned this member something (maybe nothing)
         self.restoring: set[int] = set()
         self.at_end: set[int] = set()
         self.newest_timestamp: dict[int, float] = {}  # partition -> newest record time consumed
@@ -240,7 +244,8 @@ class Worker:
         self.strategy.close()
         if abort:
             try:
-                self.strategy.abort()
+                if self.strategy.abort():
+                    self.metrics.observe_abort("stopping_on_error")
             except (KafkaException, FatalWorkerError) as error:
                 log.warning("abort at shutdown failed: %s", _message(error))
         self._commit_on_revoke = not abort
@@ -276,6 +281,7 @@ class Worker:
     def _step(self) -> None:
         if self._fatal is not None:
             raise self._fatal
+        self.health.step()
         # consume() waits until the batch is full or the timeout ends; never past the commit
         # deadline, or at moderate rates every commit (and so every delta) comes up to a whole
         # wait late. A commit that is due while the previous transaction is still committing
@@ -434,6 +440,8 @@ class Worker:
         checkpoint = self.checkpoint
         if checkpoint.empty:
             checkpoint.started_at = time.monotonic()
+            if not self.strategy.committing():
+                self.metrics.observe_caught_up()
             return
         for output in checkpoint.outputs:
             self.writer.write(output)
@@ -467,6 +475,7 @@ class Worker:
         if outcome.committed:
             self.stats.commits += 1
             self.stats.last_commit_at = outcome.finished_at
+            self.metrics.observe_caught_up()
             self.timeline.mark_partitions("first commit", self._committing, outcome.finished_at)
         else:
             self.stats.aborted_commits += 1
@@ -476,6 +485,8 @@ class Worker:
         self.stats.slowest_commit_s = max(self.stats.slowest_commit_s, outcome.seconds)
         self.metrics.observe_commit(outcome.seconds, outcome.committed)
         self.metrics.active_requests.set(self.processor.active_requests)
+        if outcome.abort_cause is not None:
+            self.metrics.observe_abort(outcome.abort_cause)
         if outcome.rollback:
             # Retrying a batch aborted because a pipeline topic was deleted aborts again, forever
             # (each retry writes to the same missing topic): that is fatal, and named.
@@ -549,9 +560,10 @@ class Worker:
         consumer.incremental_assign(partitions)
         numbers = [tp.partition for tp in partitions]
         log.info("assigned partitions %s", numbers)
+        self.joined = True
         self.timeline.assigned(numbers)
         self.assigned.update(numbers)
-        self._begin_restore(numbers)
+        self._begin_restore(numbers)  # reports readiness, also for an empty assignment
         self.metrics.rebalances.labels(event="assign").inc()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -577,7 +589,8 @@ class Worker:
         self.metrics.rebalances.labels(event="lost").inc()
         try:
             self._take(self.strategy.settle())
-            self.strategy.abort()
+            if self.strategy.abort():
+                self.metrics.observe_abort("partitions_lost")
         except (KafkaException, FatalWorkerError) as error:
             # Raised in a librdkafka callback, it would escape `poll` or `close` as a traceback;
             # the loop raises it instead (a broker gone while leaving the group is one such).
@@ -596,6 +609,7 @@ class Worker:
         self.restoring.difference_update(partitions)
         self.at_end.difference_update(partitions)
         self.metrics.partitions_restoring.set(len(self.restoring))
+        self._report_readiness()
         self.metrics.active_requests.set(self.processor.active_requests)
 
     def _drop_state(self, partitions: Iterable[int]) -> None:
@@ -622,6 +636,16 @@ class Worker:
         """
         self.restoring.update(partitions)
         self.metrics.partitions_restoring.set(len(self.restoring))
+        self._report_readiness()
+
+    def _report_readiness(self) -> None:
+        """The readiness hook (workers/health.py): ready once joined and nothing restores."""
+        if not self.joined:
+            return
+        if self.restoring:
+            self.health.set_ready(False, f"restoring partitions {sorted(self.restoring)}")
+        else:
+            self.health.set_ready(True, f"partitions {sorted(self.assigned)} restored")
 
     def _restore_before_handling(self, messages: list[Message]) -> list[Message]:
         """Restore the partitions assigned (or rolled back) during the last consume, then pass
@@ -665,6 +689,7 @@ class Worker:
         self.metrics.changelog_records_skipped.inc(len(restored.failed))
         self.restoring.difference_update(partitions)
         self.timeline.mark_partitions("restored", partitions)
+        self._report_readiness()
         self.metrics.observe_restore(time.perf_counter() - started, len(self.restoring))
         self.metrics.active_requests.set(self.processor.active_requests)
         log.info(
