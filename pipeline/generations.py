@@ -26,6 +26,7 @@ def generation_events(
             model=generation.model,
             prompt_token_ids=generation.prompt_token_ids,
             skip_special_tokens=generation.skip_special_tokens,
+            prompt_tokens=generation.prompt_tokens,
         )
     ]
     ids = generation.output_token_ids

@@ -273,7 +273,7 @@ class RequestProcessor:
         self.requests[request_id] = ActiveRequest(
             model=event.model,
             stream=stream,
-            prompt_tokens=len(event.prompt_token_ids),
+            prompt_tokens=_prompt_tokens(event),
             last_event_at=at,
         )
 
@@ -725,6 +725,12 @@ class RequestProcessor:
     @property
     def active_requests(self) -> int:
         return sum(type(s) is ActiveRequest for s in self.requests.values())
+
+
+def _prompt_tokens(event: ParsedPrompt) -> int:
+    """The prompt's full length: its count when the producer sent only a tail."""
+    count = event.prompt_tokens
+    return len(event.prompt_token_ids) if count is None else count
 
 
 def _joined_ids(events: Sequence[HeldEvent]) -> list[int]:

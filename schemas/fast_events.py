@@ -37,8 +37,15 @@ class ParsedPrompt(_Event, kw_only=True, tag="prompt"):
     seq: Literal[0] = 0
     prompt_token_ids: list[TokenId]
     skip_special_tokens: bool = True
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # perfstate: prompt tails
 
     type = "prompt"
+
+    def __post_init__(self) -> None:
+        # As the model's validator (msgspec reports a ValueError here as a ValidationError).
+        count = self.prompt_tokens
+        if count is not None and count < len(self.prompt_token_ids):
+            raise ValueError("prompt_tokens is less than the number of prompt_token_ids")
 
 
 class ParsedTokens(_Event, kw_only=True, tag="tokens"):

@@ -12,6 +12,7 @@ record was refused (one over the topic's `max.message.bytes`, say) or never ackn
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import uuid
@@ -23,9 +24,10 @@ from pathlib import Path
 from confluent_kafka import KafkaException, TopicPartition
 from tqdm import tqdm
 
+from pipeline.decode_state import PROMPT_CONTEXT_IDS
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from schemas.events import Completion, LoggedGeneration
-from schemas.fast_events import encode_event
+from schemas.fast_events import ParsedEvent, ParsedPrompt, encode_event
 from schemas.validation import Rejection, parse_model
 from workers.kafka_clients import (
     METADATA_TIMEOUT_S,
@@ -38,7 +40,10 @@ from workers.kafka_clients import (
     sized_for,
     topic_partitions,
 )
+from workers.output_limits import RECORD_OVERHEAD_BYTES
 from workers.topics import message_limit
+
+log = logging.getLogger("detok.replay")
 
 # Requests in flight at once while replaying; like `detok run`'s window, so per-partition event
 # order looks like a server streaming this many generations concurrently.
@@ -59,9 +64,18 @@ class ReplayTotals:
     invalid_lines: int = 0
 
 
-def replay_events(lines: Iterator[bytes], chunk_size: int) -> Iterator[tuple[bytes | None, bytes]]:
+def replay_events(
+    lines: Iterator[bytes],
+    chunk_size: int,
+    *,
+    prompt_tail: int | None = None,
+    max_record_bytes: int | None = None,
+) -> Iterator[tuple[bytes | None, bytes]]:
     """(key, value) records for a stream of JSONL lines; invalid lines pass through unkeyed, so
-    the worker dead-letters them exactly as it would a broken producer's record."""
+    the worker dead-letters them exactly as it would a broken producer's record.
+
+    Prompts go whole unless `prompt_tail` asks for tails, or a prompt record would exceed
+    `max_record_bytes` (see `_prompt_record`)."""
     window: list[list[tuple[bytes | None, bytes]]] = []
     for raw in lines:
         line = raw.rstrip(b"\r\n")
@@ -72,11 +86,62 @@ def replay_events(lines: Iterator[bytes], chunk_size: int) -> Iterator[tuple[byt
             window.append([(None, line)])
         else:
             key = parsed.request_id.encode()
-            window.append([(key, encode_event(e)) for e in generation_events(parsed, chunk_size)])
+            window.append(
+                [
+                    (key, _prompt_record(e, key, prompt_tail, max_record_bytes))
+                    if type(e) is ParsedPrompt
+                    else (key, encode_event(e))
+                    for e in generation_events(parsed, chunk_size)
+                ]
+            )
         if len(window) == REPLAY_WINDOW:
             yield from _interleave(window)
             window = []
     yield from _interleave(window)
+
+
+def _prompt_record(
+    event: ParsedEvent, key: bytes, prompt_tail: int | None, max_record_bytes: int | None
+) -> bytes:
+    """A prompt event's value: the whole prompt, or its tail with the full count.
+
+    A tail of `PROMPT_CONTEXT_IDS` ids decodes exactly as the whole prompt (README, 'Prompt
+    tails'), so a prompt too large for the topic (a 150k-id prompt passes Kafka's default 1 MB)
+    is sent as that tail rather than refused; `prompt_tail` asks for tails of every prompt.
+    """
+    assert type(event) is ParsedPrompt
+    ids = event.prompt_token_ids
+    count = len(ids) if event.prompt_tokens is None else event.prompt_tokens
+    if prompt_tail is not None and len(ids) > prompt_tail:
+        return encode_event(_with_tail(event, prompt_tail, count))
+    value = encode_event(event)
+    if (
+        max_record_bytes is not None
+        and len(value) + len(key) + RECORD_OVERHEAD_BYTES > max_record_bytes
+        and len(ids) > PROMPT_CONTEXT_IDS
+    ):
+        log.info(
+            "request %s: prompt of %d ids is %d bytes, over the record limit %d: sending its "
+            "last %d ids with prompt_tokens=%d",
+            event.request_id,
+            count,
+            len(value),
+            max_record_bytes,
+            PROMPT_CONTEXT_IDS,
+            count,
+        )
+        return encode_event(_with_tail(event, PROMPT_CONTEXT_IDS, count))
+    return value
+
+
+def _with_tail(event: ParsedPrompt, tail: int, count: int) -> ParsedPrompt:
+    return ParsedPrompt(
+        request_id=event.request_id,
+        model=event.model,
+        prompt_token_ids=event.prompt_token_ids[-tail:] if tail else [],
+        skip_special_tokens=event.skip_special_tokens,
+        prompt_tokens=count,
+    )
 
 
 def _interleave(
@@ -94,12 +159,15 @@ def replay(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     rate: float | None = None,
     progress: bool = True,
+    prompt_tail: int | None = None,
 ) -> ReplayTotals:
     """Produce the events of every line of `input_path` to `topic`.
 
     The producer's record limit is the topic's `max.message.bytes`, so a record the broker would
     refuse is refused alone, at once, instead of failing every record batched with it; it is
-    counted, and the rest goes on. Raises UndeliveredRecords (after the whole file) if anything
+    counted, and the rest goes on. A prompt record that would pass the limit is sent as its tail
+    (`_prompt_record`); `prompt_tail` sends every prompt longer than that as its last
+    `prompt_tail` ids. Raises UndeliveredRecords (after the whole file) if anything
     was not delivered, KafkaUnavailable or UnknownTopic before producing anything.
     """
     connection = as_connection(connection)
@@ -119,7 +187,10 @@ def replay(
     started = time.monotonic()
     with input_path.open("rb") as source:
         bar = tqdm(desc="replay", unit="ev", file=sys.stderr, disable=not progress)
-        for key, value in replay_events(iter(source), chunk_size):
+        records = replay_events(
+            iter(source), chunk_size, prompt_tail=prompt_tail, max_record_bytes=limit
+        )
+        for key, value in records:
             tracker.produce(producer, topic, value, key=key)
             totals.events += 1
             if key is None:

@@ -66,6 +66,7 @@ records = st.builds(
             "token_ids": field(id_lists),
             "skip_special_tokens": field(st.booleans()),
             "finish_reason": field(st.one_of(st.none(), strings)),
+            "prompt_tokens": field(st.one_of(st.none(), ints, st.integers(0, 8))),
         }
     ),
     st.dictionaries(st.sampled_from(["ts", "extra", "x"]), st.integers(), max_size=2),
@@ -80,6 +81,15 @@ valid_records = st.builds(
     st.one_of(
         st.builds(
             ParsedPrompt, request_id=valid_text, model=valid_text, prompt_token_ids=valid_ids
+        ),
+        valid_ids.flatmap(
+            lambda ids: st.builds(
+                ParsedPrompt,
+                request_id=valid_text,
+                model=valid_text,
+                prompt_token_ids=st.just(ids),
+                prompt_tokens=st.integers(len(ids), 2**40),
+            )
         ),
         st.builds(
             ParsedTokens, request_id=valid_text, seq=st.integers(1, 2**40), token_ids=valid_ids
@@ -141,6 +151,7 @@ def test_inputs_only_the_contract_accepts_still_parse() -> None:
 def test_encoding_is_what_the_contract_writes() -> None:
     events = [
         ParsedPrompt(request_id="r", model="m", prompt_token_ids=[1, 2]),
+        ParsedPrompt(request_id="r", model="m", prompt_token_ids=[1, 2], prompt_tokens=70_000),
         ParsedTokens(request_id="r", seq=1, token_ids=[3]),
         ParsedFinish(request_id="r", seq=2, finish_reason="stop"),
     ]
@@ -148,3 +159,16 @@ def test_encoding_is_what_the_contract_writes() -> None:
         wire = encode_event(event)
         assert wire == INPUT_EVENT_ADAPTER.validate_json(wire).model_dump_json().encode()
         assert event_from_json(event_to_json(event)) == event
+
+
+def test_prompt_tokens_below_the_ids_sent_is_refused_by_both() -> None:
+    """`prompt_tokens` is the prompt's full length: fewer than the ids sent is a schema
+    violation, equal (the whole prompt, counted) or more (a tail) is accepted."""
+    prompt = b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[1,2,3],'
+    short = parse_event(prompt + b'"prompt_tokens":2}')
+    assert isinstance(short, Rejection) and short.reason == "schema_violation"
+    assert "prompt_tokens" in short.message
+    assert _contract(prompt + b'"prompt_tokens":2}') is None
+    for count in (3, 500_000):
+        event = parse_event(prompt + b'"prompt_tokens":%d}' % count)
+        assert isinstance(event, ParsedPrompt) and event.prompt_tokens == count
