@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.decode_stream import PROMPT_CONTEXT_IDS
 from schemas.validation import parse_event
+from workers.formats.jsonl import jsonl_records
 from workers.replay import replay_events
 
 
@@ -27,7 +28,7 @@ def prompts(records: list[tuple[bytes | None, bytes]]) -> dict[str, dict]:
 
 
 def test_prompts_go_whole_by_default() -> None:
-    records = list(replay_events(iter([line("a", 1000), line("b", 3)]), 2))
+    records = list(replay_events(jsonl_records([line("a", 1000), line("b", 3)]), 2))
     sent = prompts(records)
     assert sent["a"]["prompt_token_ids"] == list(range(1000))
     assert sent["a"]["prompt_tokens"] is None
@@ -35,7 +36,7 @@ def test_prompts_go_whole_by_default() -> None:
 
 
 def test_prompt_tail_sends_the_last_n_ids_with_the_count() -> None:
-    records = list(replay_events(iter([line("a", 1000), line("b", 3)]), 2, prompt_tail=64))
+    records = list(replay_events(jsonl_records([line("a", 1000), line("b", 3)]), 2, prompt_tail=64))
     sent = prompts(records)
     assert sent["a"]["prompt_token_ids"] == list(range(936, 1000))
     assert sent["a"]["prompt_tokens"] == 1000
@@ -44,7 +45,7 @@ def test_prompt_tail_sends_the_last_n_ids_with_the_count() -> None:
 
 def test_a_logged_tail_keeps_its_count() -> None:
     logged = line("a", 100, prompt_tokens=90_000)
-    sent = prompts(list(replay_events(iter([logged]), 2, prompt_tail=64)))
+    sent = prompts(list(replay_events(jsonl_records([logged]), 2, prompt_tail=64)))
     assert sent["a"]["prompt_tokens"] == 90_000 and len(sent["a"]["prompt_token_ids"]) == 64
 
 
@@ -53,7 +54,7 @@ def test_a_prompt_over_the_record_limit_goes_as_the_documented_tail(
 ) -> None:
     lines = [line("huge", 500_000), line("small", 100)]
     with caplog.at_level(logging.INFO, logger="detok.replay"):
-        records = list(replay_events(iter(lines), 2, max_record_bytes=1_048_588))
+        records = list(replay_events(jsonl_records(lines), 2, max_record_bytes=1_048_588))
     sent = prompts(records)
     assert sent["huge"]["prompt_token_ids"] == list(range(500_000 - PROMPT_CONTEXT_IDS, 500_000))
     assert sent["huge"]["prompt_tokens"] == 500_000
