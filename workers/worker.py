@@ -465,8 +465,9 @@ class Worker:
             partition = self.owners.get(request_id)
             if partition is None:
                 continue
+            records = self._changelog_records(request_id)  # may fail the request first
             state = self.processor.requests.get(request_id)
-            for key, value in self._changelog_records(request_id):
+            for key, value in records:
                 if self.processor.requests.get(request_id) is not state:
                     break  # a record too large failed the request, and wrote its marker
                 self.writer.write(
