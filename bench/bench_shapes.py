@@ -7,7 +7,7 @@ One `detok worker`, exactly-once, on the local broker, with real tokenizers:
   prompts 8k    the same generations behind prompts of 8,192 ids, sent whole (~50 KB each);
   prompts 32k   the same behind prompts of 32,768 ids, sent whole (~200 KB each, under the 1 MB
                 limit, so replay sends them whole) and as 64-id tails (`replay --prompt-tail
-                64`, exact: README 'Prompt tails');
+                64`, exact: README 'Prompt tails'; as many requests as today's workload);
   long gens     16k-32k generated ids per request;
   backlog       N prompt-only requests never finished (default 200,000; `--backlog 1000000`):
                 worker RSS per open request (slope between N/2 and N, fixed costs cancel),
@@ -383,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             workload = write_records(logs / f"prompts-{length}.jsonl", records)
             shapes.append((f"prompts {length // 1024}k, whole", workload, None))
             if length == LONG_PROMPTS[-1]:
-                shapes.append((f"prompts {length // 1024}k, 64-id tails", workload, 64))
+                # As many requests as today's workload: tails are small, and a run of a few
+                # hundred requests is mostly its first and last commit interval.
+                records = long_prompt_records(base, length, base.requests)
+                tails = write_records(logs / f"prompts-{length}-tails.jsonl", records)
+                shapes.append((f"prompts {length // 1024}k, 64-id tails", tails, 64))
     if "generations" not in skip:
         records = long_generation_records(base, args.long_generations)
         shapes.append(("long generations", write_records(logs / "gens.jsonl", records), None))
