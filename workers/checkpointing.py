@@ -16,6 +16,8 @@ stopping worker alive for minutes during a broker outage.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,15 +29,34 @@ from pipeline.processor import Origin
 
 log = logging.getLogger("detok.worker")
 
-# One commit (offsets, then EndTxn) takes milliseconds on a healthy cluster; 30 s covers a
-# leader election or a coordinator moving, without waiting forever on a broker that is gone.
-COMMIT_TIMEOUT_S = 30.0
+# One commit (offsets, then EndTxn) takes milliseconds on a healthy cluster. On a replicated
+# cluster the retriable failures are a leader election (a few seconds), a transaction coordinator
+# moving to another broker (the dead one's session timeout, 9 s by default, then the election),
+# a rolling restart, and every broker briefly unreachable (a network partition, a full restart).
+# All of those end by themselves, and a worker that exits meanwhile only gets restarted into the
+# same outage, so retriable errors are waited out for up to two minutes; past that the cluster
+# is not coming back soon, and the worker exits non-zero for its orchestrator to see. A stop
+# request still cuts the wait to the shutdown deadline.
+COMMIT_TIMEOUT_S = 120.0
 # The longest single blocking client call: how late a stop request can be noticed, and so how
 # far past its shutdown deadline a stopping worker can run.
 CALL_TIMEOUT_S = 2.0
-# Pause between retries of a retriable error that came back at once (not a timeout), so a
-# refusing coordinator is not asked hundreds of times a second.
+# Pause between retries of a retriable error that came back at once (not a timeout), doubling up
+# to MAX_RETRY_PAUSE_S: a refusing coordinator is not asked hundreds of times a second, and a
+# long outage costs a request every few seconds rather than a busy loop.
 RETRY_PAUSE_S = 0.2
+MAX_RETRY_PAUSE_S = 5.0
+# While a wait goes on, it is logged again this often (the first error is logged at once).
+STILL_WAITING_LOG_INTERVAL_S = 10.0
+# A transactional client call is given at most CALL_TIMEOUT_S, yet after every broker of a
+# cluster was stopped and started again, abort_transaction and send_offsets_to_transaction were
+# seen never to return (both workers of a test silent for minutes; librdkafka #3779 and #4420
+# report such blocked transactional calls). A call still running this long after it started is
+# wedged inside the client: the worker exits (BLOCKED_CALL_EXIT_CODE, the cause logged) for its
+# supervisor to restart it, and the restart's init_transactions fences and aborts what was open,
+# so nothing is lost or duplicated. Far above any call's own timeout, so only a wedge trips it.
+BLOCKED_CALL_LIMIT_S = 60.0
+BLOCKED_CALL_EXIT_CODE = 70  # EX_SOFTWARE: an internal error, restart me
 # An orphaned transaction (a worker killed with a random instance id) blocks read_committed
 # readers until it times out; 30 s bounds that stall.
 TRANSACTION_TIMEOUT_MS = 30_000
@@ -49,6 +70,14 @@ REBALANCE_COMMIT_ERRORS = frozenset(
         KafkaError._ASSIGNMENT_LOST,
     }
 )
+
+
+# Why a transaction was aborted, the `cause` label of the worker's abort counter:
+# - abortable_error: the broker refused to commit it (the coordinator timed it out during an
+#   outage, the group moved on); the batch is re-processed from restored state;
+# - partitions_lost: the group took the partitions away (session timeout) before it committed;
+# - stopping_on_error: the worker is exiting after a fatal error and discards what is open.
+ABORT_CAUSES = ("abortable_error", "partitions_lost", "stopping_on_error")
 
 
 class FatalWorkerError(Exception):
@@ -131,6 +160,7 @@ class CommitOutcome:
     finished_at: float  # wall clock
     decoded_tokens: int  # of the checkpoint: redone elsewhere or again when not committed
     rollback: bool = False  # the outputs were discarded: restore and re-consume
+    abort_cause: str | None = None  # why it was aborted (a label of ABORT_CAUSES)
     refused_offsets: dict[int, int] = field(default_factory=dict)  # offer again if still ours
 
 
@@ -152,7 +182,14 @@ class CommitStrategy(Protocol):
         ...
 
     def settle(self) -> CommitOutcome | None: ...
-    def abort(self) -> None: ...
+    def committing(self) -> bool:
+        """True while the last commit is still under way (`settle` would wait for it)."""
+        ...
+
+    def abort(self) -> bool:
+        """Discard what is open; True if that aborted a transaction."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -196,6 +233,7 @@ class ExactlyOnce:
         self.commit_timeout_s = commit_timeout_s
         self.producer: Producer | None = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detok-commit")
+        self._watchdog = _CallWatchdog()
         self._in_flight: Future[CommitOutcome] | None = None
 
     def producer_settings(self) -> dict[str, Any]:
@@ -211,7 +249,7 @@ class ExactlyOnce:
             lambda timeout: producer.init_transactions(timeout),
             "initialising transactions (is the broker reachable?)",
         )
-        producer.begin_transaction()
+        self._begin()
 
     def commit(
         self, consumer: Consumer, offsets: list[TopicPartition], decoded_tokens: int
@@ -230,13 +268,17 @@ class ExactlyOnce:
             self.abort()
         return outcome
 
-    def abort(self) -> None:
+    def committing(self) -> bool:
+        return self._in_flight is not None and not self._in_flight.done()
+
+    def abort(self) -> bool:
         """Discard the open transaction's records and open the next one."""
         assert self.producer is not None
         self._retry_until_done(
             lambda timeout: self.producer.abort_transaction(timeout), "aborting a transaction"
         )
-        self.producer.begin_transaction()
+        self._begin()
+        return True
 
     def close(self) -> None:
         if self._in_flight is not None:
@@ -268,25 +310,38 @@ class ExactlyOnce:
         except _MustAbort as abort:
             log.warning("transaction must abort (%s); rolling back", abort.error)
             return CommitOutcome(
-                False, time.perf_counter() - started, time.time(), decoded_tokens, rollback=True
+                False,
+                time.perf_counter() - started,
+                time.time(),
+                decoded_tokens,
+                rollback=True,
+                abort_cause="abortable_error",
             )
-        self.producer.begin_transaction()
+        self._begin()
         return CommitOutcome(True, time.perf_counter() - started, time.time(), decoded_tokens)
+
+    def _begin(self) -> None:
+        """Open the next transaction (a local call without a timeout of its own: watched)."""
+        assert self.producer is not None
+        self._watchdog.calling("beginning a transaction")
+        try:
+            self.producer.begin_transaction()
+        finally:
+            self._watchdog.returned()
 
     def _retry_until_done(self, call: Any, what: str) -> None:
         """`call(timeout)` in short calls, retrying retriable errors (a timed-out call is one)
-        until the commit budget or the shutdown deadline ends."""
-        budget_end = time.monotonic() + self.commit_timeout_s
-        last: KafkaError | None = None
+        with a growing pause until the commit budget or the shutdown deadline ends."""
+        wait = _RetryWait(what, self.commit_timeout_s, self.deadline)
         while True:
-            timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, budget_end - time.monotonic()))
-            if timeout <= 0:
-                raise FatalWorkerError(
-                    f"{what} did not finish {self.deadline.describe(self.commit_timeout_s)}; "
-                    f"last error: {last}"
-                )
+            timeout = wait.next_call_timeout()
             try:
-                call(timeout)
+                self._watchdog.calling(what)
+                try:
+                    call(timeout)
+                finally:
+                    self._watchdog.returned()
+                wait.done()
                 return
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
@@ -296,11 +351,95 @@ class ExactlyOnce:
                     raise _MustAbort(error) from exception
                 if not error.retriable():
                     raise FatalWorkerError(f"{what} failed: {describe_error(error)}") from exception
-                if error.code() != KafkaError._TIMED_OUT:
-                    time.sleep(RETRY_PAUSE_S)
-                if last is None or last.code() != error.code():
-                    log.warning("%s: %s; retrying", what, error)
-                last = error
+                wait.retry_after(error)
+
+
+class _CallWatchdog:
+    """Ends the process when one client call runs past BLOCKED_CALL_LIMIT_S (see there).
+
+    A daemon thread that only reads a timestamp: the call itself cannot be interrupted from
+    Python, and a worker wedged in it would otherwise hold its partitions without progress until
+    the liveness probe (workers/health.py) restarts it minutes later.
+    """
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+        self._what = ""
+        threading.Thread(target=self._watch, daemon=True, name="detok-call-watchdog").start()
+
+    def calling(self, what: str) -> None:
+        self._what, self._started = what, time.monotonic()
+
+    def returned(self) -> None:
+        self._started = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            started = self._started
+            if started is not None and time.monotonic() - started > BLOCKED_CALL_LIMIT_S:
+                log.critical(
+                    "%s: the Kafka client call has not returned for %.0f s although its timeout "
+                    "is %.0f s; exiting (code %d) so that a restart fences and aborts the open "
+                    "transaction",
+                    self._what,
+                    time.monotonic() - started,
+                    CALL_TIMEOUT_S,
+                    BLOCKED_CALL_EXIT_CODE,
+                )
+                logging.shutdown()
+                os._exit(BLOCKED_CALL_EXIT_CODE)
+
+
+class _RetryWait:
+    """The bounded, logged backoff of one retried call (see COMMIT_TIMEOUT_S)."""
+
+    def __init__(self, what: str, budget_s: float, deadline: Deadline) -> None:
+        self.what = what
+        self.budget_s = budget_s
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self.pause = RETRY_PAUSE_S
+        self.last: KafkaError | None = None
+        self.logged_at = 0.0
+
+    def next_call_timeout(self) -> float:
+        """The next call's timeout; FatalWorkerError once the budget or the deadline is spent."""
+        left = self.budget_s - (time.monotonic() - self.started)
+        timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, left))
+        if timeout <= 0:
+            raise FatalWorkerError(
+                f"{self.what} did not finish {self.deadline.describe(self.budget_s)}; "
+                f"last error: {self.last}"
+            )
+        return timeout
+
+    def retry_after(self, error: KafkaError) -> None:
+        """Log the error (at once when new, then every STILL_WAITING_LOG_INTERVAL_S) and pause
+        if it came back at once; a timed-out call has already waited its timeout."""
+        now = time.monotonic()
+        changed = self.last is None or self.last.code() != error.code()
+        if changed or now - self.logged_at >= STILL_WAITING_LOG_INTERVAL_S:
+            log.warning(
+                "%s: %s; retrying (waiting %.0f s so far, up to %.0f s)",
+                self.what,
+                error,
+                now - self.started,
+                self.budget_s,
+            )
+            self.logged_at = now
+        self.last = error
+        if error.code() != KafkaError._TIMED_OUT:
+            time.sleep(self.deadline.remaining(self.pause))
+            self.pause = min(self.pause * 2, MAX_RETRY_PAUSE_S)
+
+    def done(self) -> None:
+        if self.last is not None:
+            log.info(
+                "%s succeeded after %.1f s of retriable errors",
+                self.what,
+                time.monotonic() - self.started,
+            )
 
 
 class _MustAbort(Exception):
@@ -376,8 +515,12 @@ class AtLeastOnce:
     def settle(self) -> CommitOutcome | None:
         return None  # every commit finished before `commit` returned
 
-    def abort(self) -> None:
+    def committing(self) -> bool:
+        return False
+
+    def abort(self) -> bool:
         """Nothing to discard: what was delivered stays, as duplicates at-least-once allows."""
+        return False
 
     def close(self) -> None:
         pass

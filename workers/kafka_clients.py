@@ -9,6 +9,10 @@ defaults that keep detok compatible with Java clients are written once:
   fleet would split one request across partitions.
 - `enable.idempotence=true`: a retried send is never written twice, and order per partition is
   kept across retries (the worker's changelog and the input's seq order rely on both).
+- `acks=all`: a record is acknowledged once every in-sync replica has it (at least
+  `min.insync.replicas`, 2 on a three-broker cluster), so a leader that dies right after the
+  acknowledgement loses nothing. Idempotence already implies it; it is written out because
+  durability must not depend on a default a reader has to know.
 
 Callers pass only what their role needs (a group id, a transactional id, fetch tuning); the
 connection's properties (the user's file and `-X`) are applied last, so they tune any client;
@@ -39,6 +43,7 @@ BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "partitioner": "murmur2_random",
     "enable.idempotence": True,
+    "acks": "all",
 }
 # While librdkafka's local queue is full, `produce` raises BufferError; waiting this long for it
 # to send lets the queue drain without spinning.

@@ -9,6 +9,7 @@ never per token: the hot loop must not pay for observability.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 
@@ -18,11 +19,13 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
-    start_http_server,
 )
 
 from pipeline.processor import BatchResult
 from schemas.events import DeadLetterReason
+from workers.checkpointing import ABORT_CAUSES
+from workers.health import Health
+from workers.health import serve as serve_endpoints
 
 # Where `detok worker --metrics-port` is conventionally served: the Dockerfile, the compose file
 # and the Prometheus configurations in deploy/ all use it (a test keeps them in step).
@@ -91,6 +94,22 @@ class PrometheusMetrics:
         self.transactions = Counter(
             "detok_transactions", "Commits, by outcome", ["outcome"], registry=r
         )
+        self.transaction_aborts = Counter(
+            "detok_transaction_aborts",
+            "Transactions aborted, by cause (their batch is re-processed from restored state)",
+            ["cause"],
+            registry=r,
+        )
+        # A stall is work waiting while nothing commits: a broker outage, a coordinator that
+        # moved, a worker wedged. Read on scrape, so it grows while the loop is blocked too.
+        # Nothing to commit counts as committed, so an idle worker does not look stalled.
+        self._last_commit = time.monotonic()
+        self.seconds_since_last_commit = Gauge(
+            "detok_seconds_since_last_commit",
+            "Seconds since the worker last committed (or last had nothing to commit)",
+            registry=r,
+        )
+        self.seconds_since_last_commit.set_function(lambda: time.monotonic() - self._last_commit)
         self.commit_duration = Histogram(
             "detok_commit_duration_seconds",
             "Time to commit a checkpoint",
@@ -151,15 +170,18 @@ class PrometheusMetrics:
             self.completions_produced.labels(status=status)
         for outcome in ("committed", "aborted"):
             self.transactions.labels(outcome=outcome)
+        for cause in ABORT_CAUSES:
+            self.transaction_aborts.labels(cause=cause)
         for event in REBALANCE_EVENTS:
             self.rebalances.labels(event=event)
         for model in models:
             self.prompt_ids_filtered.labels(model=model)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        """Serve /metrics. All interfaces by default: Prometheus scrapes a container from outside
-        it; on a shared machine pass 127.0.0.1."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "0.0.0.0", health: Health | None = None) -> None:
+        """Serve /metrics, and the worker's /healthz and /readyz (workers/health.py). All
+        interfaces by default: Prometheus scrapes a container from outside it; on a shared
+        machine pass 127.0.0.1."""
+        serve_endpoints(port, host, self.registry, health or Health())
 
     def observe_consumed(self, records: int, now: float) -> None:
         """Count consumed records; a poll that returned only partition EOFs processed nothing,
@@ -189,6 +211,13 @@ class PrometheusMetrics:
         self.transactions.labels(outcome="committed" if committed else "aborted").inc()
         if committed:
             self.commit_duration.observe(seconds)
+
+    def observe_caught_up(self) -> None:
+        """A commit went through, or there was nothing to commit: no stall."""
+        self._last_commit = time.monotonic()
+
+    def observe_abort(self, cause: str) -> None:
+        self.transaction_aborts.labels(cause=cause).inc()
 
     def observe_restore(self, seconds: float, still_restoring: int) -> None:
         self.restore_duration.observe(seconds)

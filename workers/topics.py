@@ -27,6 +27,12 @@ usually does too, so every topic is created here with the shape the pipeline rel
   An existing topic whose limit is lower is raised to these values (raising a limit never breaks
   a reader or a writer); a higher limit is left as it is.
 
+Replication: by default every topic gets min(3, brokers in the cluster) replicas, and where that
+is 3, `min.insync.replicas=2`. The workers produce with acks=all (idempotence implies it), so a
+record is acknowledged once two replicas hold it: one broker may fail (or be restarted in a
+rolling upgrade) without losing an acknowledged record or blocking writers. On one broker there
+is nothing to replicate to, so the same command keeps working for the local single-node setup.
+
 `ensure_topics` is idempotent: it creates what is missing and validates what exists.
 """
 
@@ -60,6 +66,7 @@ __all__ = [
     "EnsuredTopics",
     "TopicConfigurationMismatch",
     "TopicNames",
+    "default_replication_factor",
     "delete_topics",
     "ensure_topics",
     "message_limit",
@@ -75,6 +82,12 @@ MAX_MESSAGE_BYTES = "max.message.bytes"
 # See the module docstring for why each value.
 OUTPUT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 DEAD_LETTER_HEADER_ALLOWANCE = 64 * 1024
+# Three replicas survive one broker failure with two in sync; more cost disk and write latency
+# for a second simultaneous failure, the operator's call (`--replication-factor`).
+MAX_DEFAULT_REPLICATION_FACTOR = 3
+# With 3 replicas and acks=all, a write needs 2 in sync: one broker may be down, and an
+# acknowledged record is on two disks. With fewer replicas the broker default (1) stays.
+MIN_INSYNC_REPLICAS = {3: "2"}
 # How often `ensure` looks again for configs still on their way to the brokers: they arrive in
 # milliseconds, so a short pause costs nothing.
 POLL_INTERVAL_S = 0.1
@@ -113,18 +126,23 @@ def ensure_topics(
     connection: KafkaConnection | str,
     names: TopicNames,
     partitions: int = DEFAULT_PARTITIONS,
-    replication_factor: int = 1,
+    replication_factor: int | None = None,
 ) -> EnsuredTopics:
     """Create the pipeline's missing topics, validate the existing ones, raise too-low limits.
 
     Every topic gets `partitions` partitions; the changelog must match the input's actual count.
+    `replication_factor` defaults to `default_replication_factor` of the cluster's size.
     Raises TopicConfigurationMismatch, listing every problem at once, if an existing topic has a
     different partition count or a compacted topic lacks `cleanup.policy=compact`;
     KafkaUnavailable if no broker answers.
     """
-    if partitions < 1 or replication_factor < 1:
+    if partitions < 1 or (replication_factor is not None and replication_factor < 1):
         raise ValueError("partitions and replication_factor must be at least 1")
     admin = make_admin(as_connection(connection))
+    if replication_factor is None:
+        replication_factor = default_replication_factor(
+            len(cluster_metadata(admin, METADATA_TIMEOUT_S).brokers)
+        )
     wanted = list(names.all)
     existing = _partition_counts(admin, wanted)
     # Validate before creating, so a refused run leaves the cluster as it found it.
@@ -155,6 +173,11 @@ def ensure_topics(
     )
 
 
+def default_replication_factor(brokers: int) -> int:
+    """min(3, brokers): see the module docstring."""
+    return max(1, min(MAX_DEFAULT_REPLICATION_FACTOR, brokers))
+
+
 def delete_topics(
     connection: KafkaConnection | str, topics: list[str], timeout_s: float = 60.0
 ) -> list[str]:
@@ -182,9 +205,15 @@ def _create(
 ) -> None:
     if not configs:
         return  # create_topics refuses an empty request
+    replication = {}
+    if replication_factor in MIN_INSYNC_REPLICAS:
+        replication["min.insync.replicas"] = MIN_INSYNC_REPLICAS[replication_factor]
     new_topics = [
         NewTopic(
-            name, num_partitions=partitions, replication_factor=replication_factor, config=config
+            name,
+            num_partitions=partitions,
+            replication_factor=replication_factor,
+            config={**replication, **config},
         )
         for name, config in configs.items()
     ]

@@ -35,7 +35,12 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     ensure.add_argument(
         "--partitions", type=positive_int, default=DEFAULT_PARTITIONS, help="partitions per topic"
     )
-    ensure.add_argument("--replication-factor", type=positive_int, default=1)
+    ensure.add_argument(
+        "--replication-factor",
+        type=positive_int,
+        help="replicas per topic (default: min(3, brokers in the cluster); "
+        "min.insync.replicas=2 where it is 3)",
+    )
     add_topic_options(ensure)
     ensure.set_defaults(func=run_ensure)
 

@@ -26,6 +26,7 @@ from workers.commands.options import (
     topic_names_from,
 )
 from workers.config import WorkerSettings
+from workers.health import Health
 from workers.kafka_config import KafkaConfigError
 from workers.output_limits import TopicLimitError, TopicsUnavailable, read_output_limits
 from workers.process_policy import StopRequest, tune_garbage_collector
@@ -59,6 +60,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--instance-id", help="stable id of this worker across restarts")
     parser.add_argument("--session-timeout-ms", type=int)
+    parser.add_argument(
+        "--static-membership",
+        action="store_true",
+        default=None,
+        help="join the group as static member --instance-id: a restart within the session "
+        "timeout keeps its partitions without a rebalance; a stopped member holds them until then",
+    )
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--request-ttl", type=float, dest="request_ttl_s", metavar="S")
     parser.add_argument("--unknown-generated-ids", choices=["error", "skip"])
@@ -76,7 +84,9 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="once stopping, exit within S s even if the broker is unreachable (default 20)",
     )
-    parser.add_argument("--metrics-port", type=int)
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port"
+    )
     parser.add_argument("--metrics-host", help="interface /metrics listens on (default: all)")
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)
@@ -128,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"detok worker: Kafka error: {error.args[0].str()}", file=sys.stderr)
         return 1
     metrics = PrometheusMetrics(registry.names, registry=None)
+    health = Health()
     if settings.metrics_port is not None:
-        metrics.serve(settings.metrics_port, settings.metrics_host)
-    worker = Worker(settings, registry, metrics, limits, stop)
+        metrics.serve(settings.metrics_port, settings.metrics_host, health)
+    worker = Worker(settings, registry, metrics, limits, stop, health)
     tune_garbage_collector()  # after the worker built its decode tables: see its docstring
     return worker.run()
