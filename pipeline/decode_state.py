@@ -15,6 +15,17 @@ from typing import Any, Literal, NamedTuple
 U32 = 1 << 32
 SNAPSHOT_VERSION = 2
 
+# Seeding reads only the last PROMPT_CONTEXT_IDS ids of a prompt (docs/decode-semantics.md,
+# 'Seeding'). The 4..6-id suffix sweep reads at most 6; the bound is for the full-prompt fallback
+# (no clean suffix: a prompt ending inside a character, suffixes that are all U+FFFD or mostly
+# out-of-vocabulary ids), which upstream decodes whole. Decoding a 500k-id prompt for one
+# request's left context costs as much as decoding its answer, and a fallback-seeded window held
+# the whole prompt in state and snapshots; 64 ids is ten times what a character straddling the
+# generation needs and more than the 32 heads the mid-character search probes, so the byte
+# strategies seed exactly as on the whole prompt. It also makes prompt tails exact: a producer
+# that sends only the last 64 ids (with `prompt_tokens`) gets the same output.
+PROMPT_CONTEXT_IDS = 64
+
 UnknownPolicy = Literal["error", "skip"]
 # What a push generator yields: sequences to decode; it is sent their texts, in the same order.
 DecodeRequest = list[list[int]]

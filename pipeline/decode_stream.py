@@ -32,6 +32,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from pipeline.decode_state import (
+    PROMPT_CONTEXT_IDS,
     SNAPSHOT_VERSION,
     DecodeRequest,
     DecodeState,
@@ -48,6 +49,7 @@ from pipeline.decode_state import (
 from pipeline.vocab_tables import PROFILES, profile_for
 
 __all__ = [
+    "PROMPT_CONTEXT_IDS",
     "SNAPSHOT_VERSION",
     "DecodeRequest",
     "DecodeStream",
@@ -88,9 +90,9 @@ class DecodeStream(DecodeState):
 
     `push` raises InvalidTokenIdError (malformed ids; no state changes) or StrictDecodeError (an
     unknown generated id under the "error" policy, carrying the text of the ids before it).
-    The prompt is seeded at construction, so the stream never keeps more of it than seeding
-    leaves as left context (usually 4-6 ids) and `snapshot()` stays small however long the
-    prompt was.
+    The prompt is seeded at construction from its last `PROMPT_CONTEXT_IDS` ids only, so the
+    stream never keeps more of it than seeding leaves as left context (usually 4-6 ids) and
+    `snapshot()` stays small however long the prompt was.
     """
 
     __slots__ = ()
@@ -121,7 +123,10 @@ class DecodeStream(DecodeState):
         skip_special_tokens: bool = True,
         unknown_generated_ids: UnknownPolicy = "error",
     ) -> None:
-        self._init_state(validated_ids(prompt_token_ids), unknown_generated_ids)
+        # Only the prompt's last PROMPT_CONTEXT_IDS ids are ever read (so only they are checked
+        # and copied): the work and the state are bounded whatever the prompt's length.
+        context = prompt_token_ids[-PROMPT_CONTEXT_IDS:]
+        self._init_state(validated_ids(context), unknown_generated_ids)
         self.seed()
 
     @property

@@ -28,6 +28,7 @@ def generation_events(
             skip_special_tokens=generation.skip_special_tokens,
             stop=generation.stop,
             include_stop_str_in_output=generation.include_stop_str_in_output,
+            prompt_tokens=generation.prompt_tokens,
         )
     ]
     ids = generation.output_token_ids

@@ -19,7 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -33,9 +33,14 @@ from schemas.events import DeadLetterReason, encode_json
 from schemas.fast_events import ParsedFinish, ParsedTokens
 from schemas.validation import Rejection, parse_event
 
-# Version 1 of the changelog value: an envelope `{"version": 1, "state": {"kind": ...}}`. The
-# format before it (a bare state dict, no version) is refused like any other unknown version.
-SNAPSHOT_VERSION = 1
+# Version 2 of the changelog value: an envelope `{"version": 2, "state": {"kind": ...}}` whose
+# active state's text is its `text_segments` segment records (see 'Incremental changelog' below)
+# followed by its own `text`. Version 1 (the text whole in `text`, no segments) is still read: it
+# is version 2 with no segments. The format before it (a bare state dict, no version) is refused
+# like any other unknown version; a version 1 reader refuses version 2 by its number rather than
+# restore a text without its segments.
+SNAPSHOT_VERSION = 2
+READABLE_VERSIONS = (1, SNAPSHOT_VERSION)
 
 Seq = Annotated[int, msgspec.Meta(ge=1)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -144,6 +149,7 @@ class _ActiveFields(msgspec.Struct, kw_only=True):
     lp_tops: list[list[tuple[int, float]]] = []
     lp_offsets: list[Count] = []  # characters of text before each token's text
     lp_sent: Count = 0  # entries already carried by deltas
+    text_segments: Count = 0  # text segment records in the changelog (incremental changelog)
 
 
 class ActiveRequest(_ActiveFields, kw_only=True):
@@ -164,6 +170,7 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     # request rebuilds them from its columns).
     lp_built: list[Any] = []  # `TokenLogprob`s
     stop_matcher: Any = None  # `stop_strings.StopMatcher` of `stop`, found on first use
+    logged_parts: int = 0  # leading `text_parts` already written as changelog segments
 
     def add_text(self, text: str, size: int | None = None) -> None:
         """Append `text`; `size` is its `json_size` when the caller has it already."""
@@ -187,19 +194,21 @@ class ActiveRequest(_ActiveFields, kw_only=True):
         return tail[len(tail) - chars :] if taken > chars else tail
 
     def text(self) -> str:
-        """The whole text. The join is kept as the one part, so parts never pile up between
-        snapshots; a snapshot still copies the whole text, which `max_text_bytes` bounds."""
+        """The whole text. The join is kept (as at most two parts: the text already in the
+        changelog's segments and the text not yet), so parts never pile up."""
         parts = self.text_parts
         if len(parts) > 1:
-            parts[:] = ["".join(parts)]
-        return parts[0] if parts else ""
+            logged = self.logged_parts
+            parts[:] = [p for p in ("".join(parts[:logged]), "".join(parts[logged:])) if p]
+            self.logged_parts = 1 if logged else 0
+        return parts[0] if len(parts) == 1 else "".join(parts)
 
 
 class ActiveRecord(_ActiveFields, kw_only=True, tag_field="kind", tag="active"):
     """An active request in a snapshot: its plain fields and the snapshots of the rest."""
 
     stream: Any  # `DecodeStream.snapshot()`: the decode module's own format, opaque here
-    text: str = ""
+    text: str = ""  # the text after its `text_segments` segments
     held: list[HeldRecord] = []
 
 
@@ -263,32 +272,113 @@ _VERSION_DECODER = msgspec.json.Decoder(_Version)
 
 
 def encode_snapshot(state: RequestState) -> bytes:
-    """The changelog value of one request's state.
+    """A self-contained value of one request's state: an active request's whole text inline,
+    no segments (the worker writes `encode_head` and segments instead; this is the form tests
+    and tools compare).
 
     An active request is written as the mapping an `ActiveRecord` decodes from, not built as
     one: constructing the Struct only to encode it doubled the cost of a snapshot, and the
     worker writes one for every request each commit touched.
     """
     if type(state) is ActiveRequest:
-        record: dict[str, Any] | FailedRequest | FinishedRequest = {
-            "kind": "active",
-            **_snapshot_fields(state),
-            "stream": state.stream.snapshot(),
-            "text": state.text(),
-            "held": [held_record(state.held[seq].origin) for seq in sorted(state.held)],
-        }
-    else:
-        record = state
+        return _encode_active(state, segments=0, text=state.text())
+    return encode_json({"version": SNAPSHOT_VERSION, "state": state})
+
+
+def _encode_active(
+    state: ActiveRequest, *, segments: int, text: str, omit_defaults: bool = False
+) -> bytes:
+    record = {
+        "kind": "active",
+        **_snapshot_fields(state),
+        "text_segments": segments,
+        "stream": state.stream.snapshot(),
+        "text": text,
+        "held": [held_record(state.held[seq].origin) for seq in sorted(state.held)],
+    }
+    if omit_defaults:
+        record = {k: v for k, v in record.items() if not _is_default(k, v)}
     return encode_json({"version": SNAPSHOT_VERSION, "state": record})
 
 
+_RECORD_DEFAULTS = {
+    field.name: field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+    for field in msgspec.structs.fields(ActiveRecord)
+    if field.default is not msgspec.NODEFAULT or field.default_factory is not msgspec.NODEFAULT
+}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    """Whether a field's value is the one `ActiveRecord` decodes when the field is absent."""
+    default = _RECORD_DEFAULTS.get(name, _NO_DEFAULT)
+    return type(value) is type(default) and value == default
+
+
+_NO_DEFAULT = object()
+
+
+# -- incremental changelog ----------------------------------------------------------------------
+#
+# A request's changelog is its head record (key: the request id; the state without its text)
+# and its text segments (key: the request id, byte 0xFF, the segment number in decimal; value:
+# the UTF-8 text appended since the previous segment). Each commit that touched an active request
+# writes one segment with the text it gained, if any, and the head, which counts the segments.
+# So the changelog bytes of a request are its text once plus a small head per commit, not its
+# whole text per commit (quadratic in a long generation's length). When the request ends, the
+# head becomes its marker and every segment key gets a tombstone, so compaction bounds the topic
+# as before. 0xFF never occurs in UTF-8, so no request id's head key is another's segment key.
+
+SEGMENT_SEPARATOR = b"\xff"
+
+
+def segment_key(request_id: str, number: int) -> bytes:
+    return request_id.encode() + SEGMENT_SEPARATOR + str(number).encode()
+
+
+def split_changelog_key(key: bytes) -> tuple[bytes, int | None]:
+    """(head key, segment number) of a segment key; (key, None) for a head key. ValueError for a
+    segment key whose number is not a decimal."""
+    head, separator, number = key.partition(SEGMENT_SEPARATOR)
+    if not separator:
+        return key, None
+    if not number.isdigit():
+        raise ValueError(f"changelog key {key[:200]!r} has no segment number")
+    return head, int(number)
+
+
+def encode_head(state: ActiveRequest) -> tuple[tuple[int, bytes] | None, bytes]:
+    """The changelog records of an active request at a commit: its new text segment (number,
+    UTF-8 text), if it gained text since the last one, and its head.
+
+    The text goes into the segment as it is taken, so a later commit writes only newer text;
+    if the commit aborts, the state is restored from the changelog, segment count included.
+    """
+    parts = state.text_parts
+    logged = state.logged_parts
+    segment = None
+    if logged < len(parts):
+        fresh = parts[logged] if len(parts) - logged == 1 else "".join(parts[logged:])
+        parts[logged:] = [fresh]
+        state.logged_parts = len(parts)
+        segment = (state.text_segments, fresh.encode())
+        state.text_segments += 1
+    # Fields at their defaults are left out: the head is written at every commit (and a
+    # million open requests are a million heads to restore), and most of them are.
+    head = _encode_active(state, segments=state.text_segments, text="", omit_defaults=True)
+    return segment, head
+
+
 def decode_snapshot(
-    request_id: str, data: bytes, tokenizer_of: Callable[[str], Tokenizer]
+    request_id: str,
+    data: bytes,
+    tokenizer_of: Callable[[str], Tokenizer],
+    segments: Mapping[int, bytes] | None = None,
 ) -> RequestState:
     """The state a changelog value holds; `SnapshotError` for anything it cannot restore.
 
     `tokenizer_of(model)` gives an active request's tokenizer (raising for a model that is no
-    longer configured).
+    longer configured). `segments` (number -> value) are the request's text segments; an
+    active head naming one that is missing (or that is not UTF-8) cannot be restored.
     """
     try:
         snapshot = _SNAPSHOT_DECODER.decode(data)
@@ -312,15 +402,32 @@ def decode_snapshot(
             f"{type(error).__name__}: {error}"
         ) from error
     held = _held_events(request_id, record)
+    if snapshot.version == 1:
+        record.text_segments = 0  # version 1 had no segments: its text is all inline
+    logged = _segments_text(request_id, record.text_segments, segments or {})
+    text = logged + record.text
     return ActiveRequest(
         **_active_fields(record),
         stream=stream,
-        text_parts=[record.text] if record.text else [],
-        text_chars=len(record.text),
-        text_size=json_size(record.text),
+        text_parts=[p for p in (logged, record.text) if p],
+        logged_parts=1 if logged else 0,
+        text_chars=len(text),
+        text_size=json_size(text),
         held={held.event.seq: held for held in held},
         held_bytes=sum(len(h.origin.value) for h in held),
     )
+
+
+def _segments_text(request_id: str, count: int, segments: Mapping[int, bytes]) -> str:
+    try:
+        return "".join(segments[number].decode() for number in range(count))
+    except KeyError as missing:
+        raise SnapshotError(
+            f"request {request_id!r}: text segment {missing} of {count} is missing"
+        ) from None
+    except UnicodeDecodeError as error:
+        message = f"request {request_id!r}: a text segment is not UTF-8: {error}"
+        raise SnapshotError(message) from None
 
 
 def _version_of(data: bytes) -> int | None:
@@ -331,10 +438,10 @@ def _version_of(data: bytes) -> int | None:
 
 
 def _check_version(request_id: str, version: int | None) -> None:
-    if version is not None and version != SNAPSHOT_VERSION:
+    if version is not None and version not in READABLE_VERSIONS:
         raise SnapshotError(
             f"request {request_id!r}: snapshot version {version} (this worker reads "
-            f"version {SNAPSHOT_VERSION})"
+            f"versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
 
 

@@ -52,7 +52,11 @@ class ModelTokenizer:
         if self.model_vocab_size is None:
             return None
         limit = max(self.model_vocab_size, self.tokenizer_vocab_size)
-        return next((i for i in token_ids if i >= limit), None)
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        # `max` first (C speed): a 500k-id prompt is checked without a Python loop per id.
+        if not ids or max(ids) < limit:
+            return None
+        return next(i for i in ids if i >= limit)
 
 
 def resolve_tokenizer_file(path: Path) -> tuple[Path, int | None]:

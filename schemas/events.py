@@ -48,12 +48,34 @@ def check_aligned(
             raise ValueError(f"{name} has {len(values)} entries for {len(ids)} token ids")
 
 
+# The prompt's full length when `prompt_token_ids` is only its tail (see README, 'Prompt tails').
+PROMPT_TAIL_IDS = 64  # = pipeline.decode_state.PROMPT_CONTEXT_IDS (schemas import nothing else)
+PROMPT_TOKENS_DESCRIPTION = (
+    "The prompt's full length in ids when prompt_token_ids carries only its tail (absent: the "
+    "ids are the whole prompt). At least len(prompt_token_ids). Decoding reads only the last "
+    f"{PROMPT_TAIL_IDS} prompt ids, so a tail of min(prompt length, {PROMPT_TAIL_IDS}) ids gives "
+    "output (text, filtered ids) identical to the whole prompt; completions report this count."
+)
+PromptTokens = Annotated[int | None, Field(ge=0, description=PROMPT_TOKENS_DESCRIPTION)]
+
+
+class _PromptTail:
+    """`prompt_tokens` counts the ids sent, so it is never below their number."""
+
+    @model_validator(mode="after")
+    def _prompt_tokens_covers_the_ids(self):  # type: ignore[no-untyped-def]
+        count = self.prompt_tokens  # type: ignore[attr-defined]
+        if count is not None and count < len(self.prompt_token_ids):  # type: ignore[attr-defined]
+            raise ValueError("prompt_tokens is less than the number of prompt_token_ids")
+        return self
+
+
 class _Wire(BaseModel):
     # Unknown fields are ignored so producers can add fields before workers learn them.
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
-class PromptEvent(_Wire):
+class PromptEvent(_PromptTail, _Wire):
     """Opens a request: the prompt ids give the decoder its left context."""
 
     type: Literal["prompt"] = "prompt"
@@ -64,6 +86,7 @@ class PromptEvent(_Wire):
     skip_special_tokens: bool = True
     stop: StopStrings | None = None
     include_stop_str_in_output: bool = False
+    prompt_tokens: PromptTokens = None  # perfstate: prompt tails
 
 
 class TokensEvent(_Wire):
@@ -220,7 +243,7 @@ class DeadLetterRecord(_Wire):
     original: str
 
 
-class LoggedGeneration(_Wire):
+class LoggedGeneration(_PromptTail, _Wire):
     """One line of `detok run` / `detok replay` input: a whole logged generation."""
 
     request_id: RequestId
@@ -240,6 +263,8 @@ class LoggedGeneration(_Wire):
             self.output_token_ids, self.output_logprobs, self.output_top_logprobs, "output_"
         )
         return self
+
+    prompt_tokens: PromptTokens = None  # perfstate: prompt tails
 
 
 WIRE_MODELS: dict[str, type[BaseModel]] = {

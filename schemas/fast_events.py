@@ -50,8 +50,15 @@ class ParsedPrompt(_Event, kw_only=True, tag="prompt"):
     skip_special_tokens: bool = True
     stop: StopStrings | None = None
     include_stop_str_in_output: bool = False
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # perfstate: prompt tails
 
     type = "prompt"
+
+    def __post_init__(self) -> None:
+        # As the model's validator (msgspec reports a ValueError here as a ValidationError).
+        count = self.prompt_tokens
+        if count is not None and count < len(self.prompt_token_ids):
+            raise ValueError("prompt_tokens is less than the number of prompt_token_ids")
 
 
 class ParsedTokens(_Event, kw_only=True, tag="tokens", omit_defaults=True):

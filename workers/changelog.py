@@ -2,9 +2,12 @@
 
 A compacted topic with the input's partition count: the snapshot of a request on input
 partition p goes to changelog partition p, so whoever is assigned p restores exactly p's
-requests. Each record carries the input offset its snapshot reflects (Quix Streams' processed-
-offset header, from its `state/recovery.py`), so a guarantee whose snapshots can run ahead of its
-committed input (at-least-once) can skip those on restore.
+requests. A request's snapshot is its head record (keyed by request id) and its text segments
+(keyed by request id, 0xFF, number), written incrementally (`pipeline.request_state`,
+'Incremental changelog'): a restore puts each head back with the segments of its key. Each
+record carries the input offset its snapshot reflects (Quix Streams' processed-offset header,
+from its `state/recovery.py`), so a guarantee whose snapshots can run ahead of its committed
+input (at-least-once) can skip those on restore.
 
 Restoring is guarded per record, like the input: a changelog value that cannot become request
 state (garbage, a snapshot of an older format, a model no longer configured) fails only its
@@ -16,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartition
 
 from pipeline.processor import DeadLetter
+from pipeline.request_state import SEGMENT_SEPARATOR, split_changelog_key
 from schemas.events import DeadLetterReason
 from workers.checkpointing import FatalWorkerError, Output
 from workers.kafka_clients import KafkaConnection, make_consumer
@@ -50,12 +54,18 @@ class RestoreInterrupted(Exception):
 
 
 def changelog_record(
-    topic: str, request_id: str, snapshot: bytes | None, partition: int, processed_offset: int
+    topic: str,
+    request_id: str,
+    snapshot: bytes | None,
+    partition: int,
+    processed_offset: int,
+    key: bytes | None = None,
 ) -> Output:
-    """The record that replaces a request's snapshot (None: a tombstone, the request is gone)."""
+    """A record of a request's snapshot (None: a tombstone): its head by default, else `key`
+    (one of its text segments)."""
     return Output(
         topic,
-        request_id.encode(),
+        request_id.encode() if key is None else key,
         snapshot,
         headers=[(PROCESSED_OFFSET_HEADER, str(processed_offset).encode())],
         partition=partition,
@@ -66,7 +76,11 @@ def changelog_record(
 class RestoreTarget(Protocol):
     """What a restore puts state back into: the processor's contract-4 calls."""
 
-    def restore(self, request_id: str, snapshot: bytes | None) -> None: ...
+    retired_segments: dict[str, int]
+
+    def restore(
+        self, request_id: str, snapshot: bytes | None, segments: Mapping[int, bytes] | None = None
+    ) -> None: ...
     def mark_failed(self, request_id: str, reason: DeadLetterReason) -> None: ...
 
 
@@ -161,16 +175,18 @@ def apply_latest(
     committed input must be skipped (at-least-once).
     """
     restored = Restored()
-    for key, message in latest.items():
+    heads, segments = _heads_and_segments(latest, committed_input)
+    for key, message in heads.items():
         restored.records += 1
         request_id: str | None = None
+        own_segments = segments.get(key, {})
         try:
             request_id = key.decode() if key is not None else None
             if request_id is None:
                 raise ValueError("changelog record without a key")
             if committed_input is not None and _ahead_of_commit(message, committed_input):
                 continue
-            target.restore(request_id, message.value())
+            target.restore(request_id, message.value(), own_segments)
             if message.value() is not None:
                 restored.owners[request_id] = message.partition()
         except Exception as error:  # the per-record rule: any failure fails this record only
@@ -187,7 +203,38 @@ def apply_latest(
             if request_id is not None:
                 target.mark_failed(request_id, DeadLetterReason.RESTORE_FAILED)
                 restored.owners[request_id] = message.partition()
+                if own_segments:
+                    # Its segments can never be read now: tombstones with its failed marker.
+                    target.retired_segments[request_id] = max(own_segments) + 1
     return restored
+
+
+def _heads_and_segments(
+    latest: dict[bytes | None, Message], committed_input: dict[int, int] | None
+) -> tuple[dict[bytes | None, Message], dict[bytes, dict[int, bytes]]]:
+    """The head records, and each head key's live text segments (number -> text bytes).
+
+    A segment is skipped like a head when it is ahead of the committed input; a segment whose
+    key or offset header does not parse is left out (its head, if any, then misses it and
+    fails, dead-lettered).
+    """
+    heads: dict[bytes | None, Message] = {}
+    segments: dict[bytes, dict[int, bytes]] = {}
+    for key, message in latest.items():
+        if key is None or SEGMENT_SEPARATOR not in key:
+            heads[key] = message
+            continue
+        value = message.value()
+        if value is None:
+            continue
+        try:
+            if committed_input is not None and _ahead_of_commit(message, committed_input):
+                continue
+            head, number = split_changelog_key(key)
+        except ValueError:  # a damaged offset header or key: its head misses it and fails
+            continue
+        segments.setdefault(head, {})[number] = value  # type: ignore[index]
+    return heads, segments
 
 
 def _ahead_of_commit(message: Message, committed_input: dict[int, int]) -> bool:

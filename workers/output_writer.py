@@ -36,7 +36,7 @@ class FailsRequests(Protocol):
     """What the writer needs of the processor to fail a request whose output cannot be written."""
 
     def mark_failed(self, request_id: str, reason: DeadLetterReason) -> None: ...
-    def snapshot(self, request_id: str) -> bytes | None: ...
+    def changelog_records(self, request_id: str) -> list[tuple[bytes, bytes | None]]: ...
 
 
 class OutputWriter:
@@ -116,7 +116,8 @@ class OutputWriter:
 
         - a dead letter: written without its value (the input keeps the original bytes), its
           headers naming the input topic, partition and offset;
-        - a snapshot: the request is marked failed and its (small) failed snapshot written;
+        - a snapshot (head or text segment): the request is marked failed, its (small) failed
+          marker written under its head key and tombstones under its segment keys;
         - a completion: replaced by a failed completion without text;
         - a delta or a filtered-ids record: left out (the completion carries the text).
         Each also leaves an `output_too_large` dead letter naming the request.
@@ -129,17 +130,18 @@ class OutputWriter:
             message += "; the input record keeps the original bytes"
         elif output.topic == self.topics.changelog and request_id is not None:
             self.processor.mark_failed(request_id, DeadLetterReason.OUTPUT_TOO_LARGE)
-            snapshot = self.processor.snapshot(request_id)
-            self.write(
-                Output(
-                    output.topic,
-                    output.key,
-                    snapshot,
-                    output.headers,
-                    partition=output.partition,
-                    request_id=request_id,
+            # The marker under the request's head key, tombstones for its text segments.
+            for key, value in self.processor.changelog_records(request_id):
+                self.write(
+                    Output(
+                        output.topic,
+                        key,
+                        value,
+                        output.headers,
+                        partition=output.partition,
+                        request_id=request_id,
+                    )
                 )
-            )
         elif output.topic == self.topics.completions and output.value is not None:
             replacement = json.loads(output.value)
             replacement.update(status="failed", text="", error=f"output_too_large: {message}")

@@ -13,6 +13,7 @@ record was refused (one over the topic's `max.message.bytes`, say) or never ackn
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import uuid
@@ -21,13 +22,15 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 
+import msgspec
 from confluent_kafka import KafkaException, Producer, TopicPartition
 from tqdm import tqdm
 
+from pipeline.decode_state import PROMPT_CONTEXT_IDS
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from pipeline.records import SourceRecord
 from schemas.events import Completion
-from schemas.fast_events import encode_event
+from schemas.fast_events import ParsedEvent, ParsedPrompt, encode_event
 from schemas.validation import Rejection
 from workers.formats import completion_writer, format_of, reading, replacing
 from workers.kafka_clients import (
@@ -41,7 +44,10 @@ from workers.kafka_clients import (
     sized_for,
     topic_partitions,
 )
+from workers.output_limits import RECORD_OVERHEAD_BYTES
 from workers.topics import message_limit
+
+log = logging.getLogger("detok.replay")
 
 # Requests in flight at once while replaying; like `detok run`'s window, so per-partition event
 # order looks like a server streaming this many generations concurrently.
@@ -66,25 +72,84 @@ class ReplayTotals:
     invalid_records: int = 0
 
 
-def replay_events(records: Iterable[SourceRecord], chunk_size: int) -> Iterator[KafkaRecord]:
-    """Kafka records for a stream of input records, REPLAY_WINDOW requests interleaved."""
+def replay_events(
+    records: Iterable[SourceRecord],
+    chunk_size: int,
+    *,
+    prompt_tail: int | None = None,
+    max_record_bytes: int | None = None,
+) -> Iterator[KafkaRecord]:
+    """Kafka records for a stream of input records, REPLAY_WINDOW requests interleaved.
+
+    Prompts go whole unless `prompt_tail` asks for tails, or a prompt record would exceed
+    `max_record_bytes` (see `_prompt_record`)."""
     window: list[list[KafkaRecord]] = []
     for record in records:
-        window.append(record_events(record, chunk_size))
+        window.append(record_events(record, chunk_size, prompt_tail, max_record_bytes))
         if len(window) == REPLAY_WINDOW:
             yield from _interleave(window)
             window = []
     yield from _interleave(window)
 
 
-def record_events(record: SourceRecord, chunk_size: int) -> list[KafkaRecord]:
+def record_events(
+    record: SourceRecord,
+    chunk_size: int,
+    prompt_tail: int | None = None,
+    max_record_bytes: int | None = None,
+) -> list[KafkaRecord]:
     """The Kafka records of one input record: its generation's events keyed by request id; an
     invalid record passes through unkeyed as it was read, so the worker dead-letters it exactly
     as it would a broken producer's record."""
     if isinstance(record.parsed, Rejection):
         return [(None, record.original())]
     key = record.parsed.request_id.encode()
-    return [(key, encode_event(event)) for event in generation_events(record.parsed, chunk_size)]
+    return [
+        (key, _prompt_record(event, key, prompt_tail, max_record_bytes))
+        if type(event) is ParsedPrompt
+        else (key, encode_event(event))
+        for event in generation_events(record.parsed, chunk_size)
+    ]
+
+
+def _prompt_record(
+    event: ParsedEvent, key: bytes, prompt_tail: int | None, max_record_bytes: int | None
+) -> bytes:
+    """A prompt event's value: the whole prompt, or its tail with the full count.
+
+    A tail of `PROMPT_CONTEXT_IDS` ids decodes exactly as the whole prompt (README, 'Prompt
+    tails'), so a prompt too large for the topic (a 150k-id prompt passes Kafka's default 1 MB)
+    is sent as that tail rather than refused; `prompt_tail` asks for tails of every prompt.
+    """
+    assert type(event) is ParsedPrompt
+    ids = event.prompt_token_ids
+    count = len(ids) if event.prompt_tokens is None else event.prompt_tokens
+    if prompt_tail is not None and len(ids) > prompt_tail:
+        return encode_event(_with_tail(event, prompt_tail, count))
+    value = encode_event(event)
+    if (
+        max_record_bytes is not None
+        and len(value) + len(key) + RECORD_OVERHEAD_BYTES > max_record_bytes
+        and len(ids) > PROMPT_CONTEXT_IDS
+    ):
+        log.info(
+            "request %s: prompt of %d ids is %d bytes, over the record limit %d: sending its "
+            "last %d ids with prompt_tokens=%d",
+            event.request_id,
+            count,
+            len(value),
+            max_record_bytes,
+            PROMPT_CONTEXT_IDS,
+            count,
+        )
+        return encode_event(_with_tail(event, PROMPT_CONTEXT_IDS, count))
+    return value
+
+
+def _with_tail(event: ParsedPrompt, tail: int, count: int) -> ParsedPrompt:
+    return msgspec.structs.replace(
+        event, prompt_token_ids=event.prompt_token_ids[-tail:], prompt_tokens=count
+    )
 
 
 def _interleave(window: list[list[KafkaRecord]]) -> Iterator[KafkaRecord]:
@@ -101,12 +166,15 @@ def replay(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     rate: float | None = None,
     progress: bool = True,
+    prompt_tail: int | None = None,
 ) -> ReplayTotals:
     """Produce the events of every record of `input_path` to `topic`.
 
     The producer's record limit is the topic's `max.message.bytes`, so a record the broker would
     refuse is refused alone, at once, instead of failing every record batched with it; it is
-    counted, and the rest goes on. Raises UndeliveredRecords (after the whole file) if anything
+    counted, and the rest goes on. A prompt record that would pass the limit is sent as its tail
+    (`_prompt_record`); `prompt_tail` sends every prompt longer than that as its last
+    `prompt_tail` ids. Raises UndeliveredRecords (after the whole file) if anything
     was not delivered, KafkaUnavailable or UnknownTopic before producing anything, FormatError
     when the file cannot be read as its format.
     """
@@ -125,9 +193,8 @@ def replay(
             },
         )
         tracker = DeliveryTracker()
-        totals = _produce(
-            producer, tracker, replay_events(records, chunk_size), topic, rate, progress
-        )
+        events = replay_events(records, chunk_size, prompt_tail=prompt_tail, max_record_bytes=limit)
+        totals = _produce(producer, tracker, events, topic, rate, progress)
     # Past DELIVERY_TIMEOUT_S every record has its report; the margin covers the last callbacks.
     tracker.settle(producer, DELIVERY_TIMEOUT_S + 5)
     return totals

@@ -54,6 +54,7 @@ class RunStats:
     handle_s: float = 0.0
     process_s: float = 0.0
     commit_s: float = 0.0
+    expire_s: float = 0.0  # in TTL sweeps (part of no other figure)
     # The longest single batch and commit: what a delay tail is made of.
     slowest_handle_s: float = 0.0
     slowest_commit_s: float = 0.0
@@ -74,6 +75,7 @@ class RunStats:
                 "handle_s": round(self.handle_s, 3),
                 "process_s": round(self.process_s, 3),
                 "commit_s": round(self.commit_s, 3),
+                "expire_s": round(self.expire_s, 3),
                 "slowest_handle_s": round(self.slowest_handle_s, 3),
                 "slowest_commit_s": round(self.slowest_commit_s, 3),
                 "rss_at_exit": current_rss_bytes(),

@@ -2,7 +2,9 @@
 (docs/decode-semantics.md, 'Seeding', 'Pushing', 'Flush').
 
 Line-by-line the upstream Rust algorithm (`seed_prefix`, `push_token`, `flush`) plus the prompt-tail
-fix, with none of the production code's chunking, probes, pure decoders or prefix reuse.
+fix and the bound on what seeding reads (the last 64 prompt ids; `context_ids=None` reads the whole
+prompt, as upstream), with none of the production code's chunking, probes, pure decoders or prefix
+reuse.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 
 FFFD = "\ufffd"
+PROMPT_CONTEXT_IDS = 64
 
 
 class UnknownId(Exception):
@@ -28,9 +31,16 @@ def _slice(text: str, n: int) -> str:
 
 
 class OracleStream:
-    def __init__(self, tok: Tokenizer, prompt: Sequence[int], skip: bool, policy: str = "error"):
+    def __init__(
+        self,
+        tok: Tokenizer,
+        prompt: Sequence[int],
+        skip: bool,
+        policy: str = "error",
+        context_ids: int | None = PROMPT_CONTEXT_IDS,
+    ):
         self.tok, self.skip, self.policy = tok, skip, policy
-        self.ids = list(prompt)
+        self.ids = list(prompt) if context_ids is None else list(prompt)[-context_ids:]
         self.prefix, self.prefix_index = "", 0
         self.seeded = not self.ids
         self.filtered: list[int] = []

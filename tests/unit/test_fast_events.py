@@ -94,6 +94,7 @@ records = st.builds(
             "include_stop_str_in_output": field(st.booleans()),
             "logprobs": field(st.one_of(st.none(), float_lists)),
             "top_logprobs": field(st.one_of(st.none(), pair_lists)),
+            "prompt_tokens": field(st.one_of(st.none(), ints, st.integers(0, 8))),
         }
     ),
     st.dictionaries(st.sampled_from(["ts", "extra", "x"]), st.integers(), max_size=2),
@@ -128,6 +129,15 @@ valid_records = st.builds(
             prompt_token_ids=valid_ids,
             stop=st.one_of(st.none(), st.lists(valid_text, min_size=1, max_size=3)),
             include_stop_str_in_output=st.booleans(),
+        ),
+        valid_ids.flatmap(
+            lambda ids: st.builds(
+                ParsedPrompt,
+                request_id=valid_text,
+                model=valid_text,
+                prompt_token_ids=st.just(ids),
+                prompt_tokens=st.integers(len(ids), 2**40),
+            )
         ),
         st.builds(
             _tokens,
@@ -208,6 +218,7 @@ def test_encoding_is_what_the_contract_writes() -> None:
             stop=["\n\n", "END"],
             include_stop_str_in_output=True,
         ),
+        ParsedPrompt(request_id="r", model="m", prompt_token_ids=[1, 2], prompt_tokens=70_000),
         ParsedTokens(request_id="r", seq=1, token_ids=[3]),
         ParsedTokens(
             request_id="r", seq=1, token_ids=[3, 4], logprobs=[-0.5, 0.0], top_logprobs=[[], []]
@@ -225,3 +236,16 @@ def test_encoding_is_what_the_contract_writes() -> None:
         }
         assert wire == model.model_dump_json(exclude=omitted).encode()
         assert event_from_json(event_to_json(event)) == event
+
+
+def test_prompt_tokens_below_the_ids_sent_is_refused_by_both() -> None:
+    """`prompt_tokens` is the prompt's full length: fewer than the ids sent is a schema
+    violation, equal (the whole prompt, counted) or more (a tail) is accepted."""
+    prompt = b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[1,2,3],'
+    short = parse_event(prompt + b'"prompt_tokens":2}')
+    assert isinstance(short, Rejection) and short.reason == "schema_violation"
+    assert "prompt_tokens" in short.message
+    assert _contract(prompt + b'"prompt_tokens":2}') is None
+    for count in (3, 500_000):
+        event = parse_event(prompt + b'"prompt_tokens":%d}' % count)
+        assert isinstance(event, ParsedPrompt) and event.prompt_tokens == count

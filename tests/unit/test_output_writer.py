@@ -43,8 +43,13 @@ class FailingProcessor:
     def mark_failed(self, request_id: str, reason: DeadLetterReason) -> None:
         self.failed[request_id] = reason
 
-    def snapshot(self, request_id: str) -> bytes | None:
-        return b'{"kind": "failed"}' if request_id in self.failed else b"{}"
+    def changelog_records(self, request_id: str) -> list[tuple[bytes, bytes | None]]:
+        if request_id not in self.failed:
+            return [(request_id.encode(), b"{}")]
+        return [
+            (request_id.encode() + b"\xff0", None),
+            (request_id.encode(), b'{"kind": "failed"}'),
+        ]
 
 
 def writer(producer: RecordingProducer, processor: FailingProcessor) -> OutputWriter:
@@ -74,13 +79,16 @@ def test_a_completion_too_large_becomes_a_failed_completion_and_a_dead_letter() 
 
 def test_a_snapshot_too_large_fails_the_request_and_writes_its_failed_marker() -> None:
     producer, processor = RecordingProducer(), FailingProcessor()
+    # A text segment too large: the marker goes under the head key, tombstones under segments.
     writer(producer, processor).write(
-        Output(NAMES.changelog, b"r", b"s" * LIMIT, partition=3, request_id="r")
+        Output(NAMES.changelog, b"r\xff0", b"s" * LIMIT, partition=3, request_id="r")
     )
     assert processor.failed == {"r": DeadLetterReason.OUTPUT_TOO_LARGE}
-    (marker, letter) = producer.records
-    assert (marker["topic"], marker["value"], marker["partition"]) == (
+    (tombstone, marker, letter) = producer.records
+    assert (tombstone["key"], tombstone["value"], tombstone["partition"]) == (b"r\xff0", None, 3)
+    assert (marker["topic"], marker["key"], marker["value"], marker["partition"]) == (
         NAMES.changelog,
+        b"r",
         b'{"kind": "failed"}',
         3,
     )

@@ -4,6 +4,7 @@ onto the input topic."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from pipeline.generations import DEFAULT_CHUNK_SIZE
@@ -49,10 +50,18 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--rate", type=positive_float, help="events per second (default: as fast as possible)"
     )
+    parser.add_argument(
+        "--prompt-tail", type=positive_int, metavar="N",
+        help="send only the last N prompt ids, with the full count in prompt_tokens (64 or "
+        "more decodes exactly as the whole prompt; default: whole prompts, except one over "
+        "the topic's max.message.bytes, sent as its last 64 ids)",
+    )  # fmt: skip
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    # Prompts sent as tails because they would pass the record limit are logged (stderr).
+    logging.basicConfig(level=logging.INFO, format="detok replay: %(message)s")
     topic = topic_names_from(args).input
     try:
         totals = replay(
@@ -63,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             rate=args.rate,
             progress=sys.stderr.isatty(),
+            prompt_tail=args.prompt_tail,
         )
     except failures.KAFKA_FAILURES as error:
         return failures.report("replay", error)

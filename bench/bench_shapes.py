@@ -1,0 +1,467 @@
+"""Production shapes through Kafka (issue 15 items 1-4), beside today's workload, in one run.
+
+One `detok worker`, exactly-once, on the local broker, with real tokenizers:
+
+  today         bench_e2e's workload (prompts of 32-256 ids, 100-400 generated), measured
+                first and last: the baseline every ratio below is taken against (their mean);
+  prompts 8k    the same generations behind prompts of 8,192 ids, sent whole (~50 KB each);
+  prompts 32k   the same behind prompts of 32,768 ids, sent whole (~200 KB each, under the 1 MB
+                limit, so replay sends them whole) and as 64-id tails (`replay --prompt-tail
+                64`, exact: README 'Prompt tails'; as many requests as today's workload);
+  long gens     16k-32k generated ids per request;
+  backlog       N prompt-only requests never finished (default 200,000; `--backlog 1000000`):
+                worker RSS per open request (slope between N/2 and N, fixed costs cancel),
+                kill -9, then the successor's restore time (its log line) and the time from
+                its start to that line, then the successor idles with the N requests for
+                `--idle-seconds` and its TTL sweeps' share of that time (its run summary).
+
+Generated tokens/s are the worker's own (first consume to last commit, from its run summary).
+Changelog bytes per request (key + value + headers of every record written for it, read back
+before compaction could run) are compared with the request's final text bytes (its completion):
+the target is at most 2x the text plus a small constant. "before" is what the format before
+text segments would have written in the same run (each head with the whole text so far).
+
+    python -m bench.bench_shapes [--quick] [--backlog N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import KafkaError, TopicPartition
+
+from bench.bench_e2e import (
+    CHUNK,
+    DEFAULT_TOKENIZERS,
+    PARTITIONS,
+    REPO_ROOT,
+    RESTORED,
+    WAIT_BOUND_S,
+    Workload,
+    build_workload,
+    committed_offsets,
+    drop_topics,
+    end_offsets,
+    start,
+    summaries,
+    topics,
+    vm_status,
+    wait_for,
+    worker_command,
+)
+from pipeline.request_state import split_changelog_key
+from workers.broker import answers_metadata, start_broker
+from workers.kafka_clients import KafkaConnection, make_consumer, make_producer
+from workers.replay import replay
+from workers.topics import ensure_topics
+
+LONG_PROMPTS = (8_192, 32_768)
+LONG_GENERATION = (16_384, 32_768)
+TARGET_TEXT_FACTOR = 2.0
+
+
+@dataclass
+class ShapeRun:
+    label: str
+    requests: int
+    generated_tokens: int
+    seconds: float
+    input_bytes: int
+    changelog: dict[str, Any]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+
+# -- workloads ----------------------------------------------------------------------------------
+
+
+def write_records(path: Path, records: list[dict[str, Any]]) -> Workload:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokens = sum(len(r["output_token_ids"]) for r in records)
+    return Workload(path, records, tokens, [])
+
+
+def long_prompt_records(base: Workload, length: int, count: int) -> list[dict[str, Any]]:
+    """`count` of today's generations, each behind a prompt grown to `length` ids with ids of
+    other requests of its model (real token sequences, so seeding sees ordinary text)."""
+    pools: dict[str, list[int]] = {}
+    for record in base.records:
+        pools.setdefault(record["model"], []).extend(record["output_token_ids"])
+    out = []
+    for record in base.records[:count]:
+        pool = pools[record["model"]]
+        need = length - len(record["prompt_token_ids"])
+        filler = (pool * (need // len(pool) + 1))[:need]
+        out.append({**record, "prompt_token_ids": filler + record["prompt_token_ids"]})
+    return out
+
+
+def long_generation_records(base: Workload, count: int) -> list[dict[str, Any]]:
+    """`count` generations of 16k-32k ids: today's outputs of one model strung together."""
+    rng = random.Random(15)
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for record in base.records:
+        by_model.setdefault(record["model"], []).append(record)
+    models = sorted(by_model)
+    out = []
+    for index in range(count):
+        records = by_model[models[index % len(models)]]
+        target = rng.randint(*LONG_GENERATION)
+        output: list[int] = []
+        position = rng.randrange(len(records))
+        while len(output) < target:
+            output += records[position % len(records)]["output_token_ids"]
+            position += 1
+        first = records[position % len(records)]
+        out.append({**first, "request_id": f"long-gen-{index}", "output_token_ids": output})
+    return out
+
+
+# -- one worker on one workload -----------------------------------------------------------------
+
+
+def run_shape(
+    bootstrap: str,
+    label: str,
+    workload: Workload,
+    specs: list[str],
+    logs: Path,
+    prompt_tail: int | None = None,
+) -> ShapeRun:
+    prefix = f"shape-{uuid.uuid4().hex[:8]}"
+    names = topics(prefix)
+    ensure_topics(bootstrap, names, PARTITIONS)
+    replay(
+        bootstrap,
+        workload.path,
+        names.input,
+        chunk_size=CHUNK,
+        progress=False,
+        prompt_tail=prompt_tail,
+    )
+    input_bytes = sum(topic_bytes(bootstrap, names.input).values())
+    group = f"{prefix}-group"
+    log = logs / f"{prefix}.log"
+    command = worker_command(
+        bootstrap, names, group, specs, "--guarantee", "exactly-once", "--instance-id", prefix
+    )
+    process = start(command, log)
+    # Partitions no record went to have nothing to commit (a few long requests leave some so).
+    ends = {p: end for p, end in end_offsets(bootstrap, names.input).items() if end}
+    wait_for(
+        lambda: committed_offsets(bootstrap, group, names.input, list(ends)) == ends,
+        f"{label} to commit the whole input",
+    )
+    process.send_signal(signal.SIGTERM)
+    if process.wait(WAIT_BOUND_S) != 0:
+        raise RuntimeError(f"worker exited non-zero; see {log}")
+    (summary,) = summaries(log)
+    seconds = summary["last_commit_at"] - summary["first_consume_at"]
+    if summary["generated_tokens"] < workload.generated_tokens:
+        raise RuntimeError(f"{label}: decoded {summary['generated_tokens']} tokens")
+    changelog = changelog_ratio(bootstrap, names.changelog, names.completions)
+    drop_topics(bootstrap, names)
+    return ShapeRun(
+        label, workload.requests, workload.generated_tokens, seconds, input_bytes, changelog
+    )
+
+
+def read_all(bootstrap: str, topic: str) -> list[Any]:
+    """Every committed record of a topic, to its end."""
+    consumer = make_consumer(
+        KafkaConnection(bootstrap),
+        {
+            "group.id": f"shape-reader-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        },
+    )
+    out = []
+    try:
+        metadata = consumer.list_topics(topic, timeout=30)
+        parts = list(metadata.topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        remaining = set(parts)
+        deadline = time.monotonic() + WAIT_BOUND_S
+        while remaining and time.monotonic() < deadline:
+            for message in consumer.consume(10_000, 0.5):
+                error = message.error()
+                if error is None:
+                    out.append(message)
+                elif error.code() == KafkaError._PARTITION_EOF:
+                    remaining.discard(message.partition())
+    finally:
+        consumer.close()
+    return out
+
+
+def topic_bytes(bootstrap: str, topic: str) -> dict[bytes, int]:
+    """Bytes written per key (key + value + header names and values) over a whole topic."""
+    sizes: dict[bytes, int] = {}
+    for message in read_all(bootstrap, topic):
+        key = message.key() or b""
+        size = len(key) + len(message.value() or b"")
+        size += sum(len(name) + len(value or b"") for name, value in message.headers() or ())
+        sizes[key] = sizes.get(key, 0) + size
+    return sizes
+
+
+def changelog_ratio(bootstrap: str, changelog: str, completions: str) -> dict[str, Any]:
+    """Changelog bytes written per request against its final text's UTF-8 bytes, and what the
+    format before segments would have written in the same run (each head plus the whole text
+    so far: the segments read up to it)."""
+    per_request: dict[bytes, int] = {}
+    whole_text_format = 0
+    text_so_far: dict[bytes, int] = {}
+    for message in read_all(bootstrap, changelog):  # in order within each partition
+        key = message.key() or b""
+        value = message.value() or b""
+        size = len(key) + len(value)
+        size += sum(len(name) + len(v or b"") for name, v in message.headers() or ())
+        head, segment = split_changelog_key(key)
+        per_request[head] = per_request.get(head, 0) + size
+        if segment is not None:
+            text_so_far[head] = text_so_far.get(head, 0) + len(value)
+        else:
+            whole_text_format += size + (text_so_far.get(head, 0) if value else 0)
+    texts = {
+        message.key(): len(json.loads(message.value())["text"].encode())
+        for message in read_all(bootstrap, completions)
+    }
+    ratios = [per_request.get(k, 0) / t for k, t in texts.items() if t]
+    excess = [per_request.get(k, 0) - TARGET_TEXT_FACTOR * t for k, t in texts.items()]
+    total_text = sum(texts.values())
+    return {
+        "requests": len(texts),
+        "changelog_bytes": sum(per_request.values()),
+        "text_bytes": total_text,
+        "ratio_total": sum(per_request.values()) / total_text if total_text else None,
+        "whole_text_format_ratio_total": whole_text_format / total_text if total_text else None,
+        "ratio_median": statistics.median(ratios) if ratios else None,
+        "ratio_max": max(ratios) if ratios else None,
+        # The largest "bytes - 2 x text" of any request: the constant the target allows.
+        "max_excess_over_2x_text": max(excess) if excess else None,
+    }
+
+
+# -- the open backlog ---------------------------------------------------------------------------
+
+
+def backlog(
+    bootstrap: str, base: Workload, specs: list[str], count: int, idle_s: float, logs: Path
+) -> dict[str, Any]:
+    """`count` prompt-only requests: RSS per open request, restore after kill -9, sweep share."""
+    prefix = f"shape-backlog-{uuid.uuid4().hex[:8]}"
+    names = topics(prefix)
+    ensure_topics(bootstrap, names, PARTITIONS)
+    group = f"{prefix}-group"
+    command = worker_command(bootstrap, names, group, specs, "--instance-id", prefix)
+    log = logs / f"{prefix}-a.log"
+    worker = start(command, log)
+    prompts = base.records[:500]
+    rss = []
+    try:
+        wait_for(lambda: "restored" in log.read_text(), "the backlog worker's assignment")
+        for half in range(2):
+            producer = make_producer(KafkaConnection(bootstrap), {"linger.ms": 50})
+            for position in range(count // 2):
+                record = prompts[position % len(prompts)]
+                request_id = f"open-{half}-{position}"
+                value = json.dumps(
+                    {"type": "prompt", "request_id": request_id, "model": record["model"],
+                     "prompt_token_ids": record["prompt_token_ids"][:48]},
+                    separators=(",", ":"),
+                ).encode()  # fmt: skip
+                while True:
+                    try:
+                        producer.produce(names.input, value, request_id.encode())
+                        break
+                    except BufferError:
+                        producer.poll(0.05)
+                if position % 10_000 == 0:
+                    producer.poll(0)
+            producer.flush(120)
+            ends = end_offsets(bootstrap, names.input)
+            wait_for(
+                lambda e=ends: committed_offsets(bootstrap, group, names.input, list(e)) == e,
+                "the backlog worker's commit",
+            )
+            time.sleep(1.0)
+            rss.append(vm_status(worker.pid))
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(60)
+    per_request = (rss[1]["VmRSS"] - rss[0]["VmRSS"]) / (count // 2)
+    changelog_bytes = sum(topic_bytes(bootstrap, names.changelog).values())
+    log_b = logs / f"{prefix}-b.log"
+    started = time.monotonic()
+    successor = start(command, log_b)
+    try:
+        wait_for(
+            lambda: (
+                sum(int(m.group(1)) for m in RESTORED.finditer(log_b.read_text()))
+                >= count - count % 2
+            ),
+            "the successor's restore",
+        )
+        to_restored = time.monotonic() - started
+        after_restore = vm_status(successor.pid)
+        time.sleep(idle_s)
+    finally:
+        successor.send_signal(signal.SIGTERM)
+        successor.wait(120)
+    restores = RESTORED.findall(log_b.read_text())
+    (summary,) = summaries(log_b) or [{}]
+    drop_topics(bootstrap, names)
+    lifetime = time.monotonic() - started
+    return {
+        "open_requests": count - count % 2,
+        "bytes_per_open_request": per_request,
+        "rss_full": rss[1]["VmRSS"],
+        "changelog_bytes_per_request": changelog_bytes / (count - count % 2),
+        "restore_s": sum(float(s) for _, s in restores),
+        "start_to_restored_s": to_restored,
+        "rss_after_restore": after_restore["VmRSS"],
+        "sweep_s": summary.get("expire_s"),
+        "idle_s": lifetime,
+        "sweep_share": (summary.get("expire_s") or 0.0) / lifetime,
+    }
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    parser.add_argument("--shared-dir", type=Path, default=REPO_ROOT.parent / "shared")
+    parser.add_argument("--tokenizers", default=",".join(DEFAULT_TOKENIZERS))
+    parser.add_argument("--requests", type=int, default=20_000, help="today's workload")
+    parser.add_argument("--long-prompt-requests", type=int, default=1_000)
+    parser.add_argument("--long-generations", type=int, default=96)
+    parser.add_argument("--backlog", type=int, default=200_000)
+    parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--quick", action="store_true", help="4,000 / 300 / 24 / 100,000")
+    parser.add_argument("--skip", default="", help="comma-separated: prompts,generations,backlog")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.long_prompt_requests, args.long_generations = 4000, 300, 24
+        args.backlog = min(args.backlog, 100_000)
+    skip = set(filter(None, args.skip.split(",")))
+    bootstrap = args.bootstrap_servers or "127.0.0.1:19092"
+    if not answers_metadata(bootstrap):
+        bootstrap = start_broker().bootstrap_servers
+    cache = Path(tempfile.gettempdir()) / "detok-bench"
+    cache.mkdir(exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="detok-shapes-"))
+    note = _note(args.json)
+
+    names = args.tokenizers.split(",")
+    base = build_workload(args.shared_dir, names, args.requests, cache)
+    specs = base.specs
+    shapes: list[tuple[str, Workload, int | None]] = [("today", base, None)]
+    if "prompts" not in skip:
+        for length in LONG_PROMPTS:
+            records = long_prompt_records(base, length, args.long_prompt_requests)
+            workload = write_records(logs / f"prompts-{length}.jsonl", records)
+            shapes.append((f"prompts {length // 1024}k, whole", workload, None))
+            if length == LONG_PROMPTS[-1]:
+                # As many requests as today's workload: tails are small, and a run of a few
+                # hundred requests is mostly its first and last commit interval.
+                records = long_prompt_records(base, length, base.requests)
+                tails = write_records(logs / f"prompts-{length}-tails.jsonl", records)
+                shapes.append((f"prompts {length // 1024}k, 64-id tails", tails, 64))
+    if "generations" not in skip:
+        records = long_generation_records(base, args.long_generations)
+        shapes.append(("long generations", write_records(logs / "gens.jsonl", records), None))
+    shapes.append(("today (again)", base, None))
+
+    runs = []
+    for label, workload, tail in shapes:
+        run = run_shape(bootstrap, label, workload, specs, logs, prompt_tail=tail)
+        runs.append(run)
+        note(
+            f"{label}: {run.tokens_per_s:,.0f} tok/s over {run.requests} requests; changelog "
+            f"{run.changelog['ratio_total']:.2f}x text (max {run.changelog['ratio_max']:.2f}x)"
+        )
+    baseline = statistics.mean(r.tokens_per_s for r in runs if r.label.startswith("today"))
+    report: dict[str, Any] = {
+        "baseline_tokens_per_s": baseline,
+        "runs": [
+            {
+                "label": r.label,
+                "requests": r.requests,
+                "generated_tokens": r.generated_tokens,
+                "seconds": r.seconds,
+                "tokens_per_s": r.tokens_per_s,
+                "vs_today": r.tokens_per_s / baseline,
+                "input_bytes_per_request": r.input_bytes / r.requests,
+                "changelog": r.changelog,
+            }
+            for r in runs
+        ],
+        "logs": str(logs),
+    }
+    if "backlog" not in skip:
+        report["backlog"] = backlog(bootstrap, base, specs, args.backlog, args.idle_seconds, logs)
+        note(f"backlog: {json.dumps(report['backlog'])}")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+def _note(quiet: bool) -> Any:
+    def note(message: str) -> None:
+        print(f"# {message}", file=sys.stderr if quiet else sys.stdout, flush=True)
+
+    return note
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\nbaseline (today's workload, mean of first and last): "
+          f"{report['baseline_tokens_per_s']:,.0f} generated tok/s")  # fmt: skip
+    print(f"{'workload':28} {'req':>6} {'tok/s':>11} {'vs today':>9} {'in B/req':>10} "
+          f"{'chlog/text':>10} {'max':>6} {'max - 2x text':>14} {'before':>7}")  # fmt: skip
+    for run in report["runs"]:
+        c = run["changelog"]
+        print(
+            f"{run['label']:28} {run['requests']:>6} {run['tokens_per_s']:>11,.0f} "
+            f"{run['vs_today']:>9.2f} {run['input_bytes_per_request']:>10,.0f} "
+            f"{c['ratio_total']:>10.2f} {c['ratio_max']:>6.2f} "
+            f"{c['max_excess_over_2x_text']:>14,.0f} {c['whole_text_format_ratio_total']:>7.2f}"
+        )
+    backlog_report = report.get("backlog")
+    if backlog_report:
+        b = backlog_report
+        print(
+            f"\nbacklog of {b['open_requests']:,} open requests: "
+            f"{b['bytes_per_open_request']:,.0f} B RSS each (target <= 1024), changelog "
+            f"{b['changelog_bytes_per_request']:,.0f} B each; after kill -9 the successor "
+            f"restored them in {b['restore_s']:.1f} s ({b['start_to_restored_s']:.1f} s from its "
+            f"start; target 20 s at 1M); TTL sweeps {b['sweep_s']} s of {b['idle_s']:.0f} s "
+            f"({100 * b['sweep_share']:.2f}%; target < 5%)"
+        )
+    print(f"\nlogs: {report['logs']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
