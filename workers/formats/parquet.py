@@ -73,14 +73,22 @@ def parquet_records(path: Path, batch_rows: int = READ_BATCH_ROWS) -> Iterator[S
     A column the generation needs but the file lacks, or a column of the wrong type, makes every
     row a dead letter that says so (the file is read to the end, as a file of bad lines is).
     """
+    pa, _, _ = _arrow()
     parquet = _open(path)
     fields = set(LoggedGeneration.model_fields)
     columns = [name for name in parquet.schema_arrow.names if name in fields]
     row = 0
     for group in range(parquet.num_row_groups):
-        for batch in parquet.iter_batches(
-            batch_size=batch_rows, row_groups=[group], columns=columns
-        ):
+        batches = parquet.iter_batches(batch_size=batch_rows, row_groups=[group], columns=columns)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as error:
+                # A corrupt page: the rows past it cannot be told apart, so the run stops here
+                # (its outputs are discarded) rather than guess.
+                raise FormatError(f"{path}: row group {group} is unreadable ({error})") from error
+            if batch is None:
+                break
             yield from _batch_records(batch, row, group)
             row += batch.num_rows
 
