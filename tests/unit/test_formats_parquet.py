@@ -17,6 +17,7 @@ from bench.workload import generations
 from tests.conftest import real_tokenizer_path
 from tests.unit.small_tokenizers import byte_level
 from tests.unit.test_run_command import detok_run, read_jsonl
+from workers.cli import main
 from workers.formats.jsonl import jsonl_records
 from workers.formats.parquet import parquet_records, read_completions, write_generations
 
@@ -278,3 +279,15 @@ def test_a_corrupt_row_group_is_a_clear_error(tmp_path: Path, tokenizer_file: Pa
     err = capsys.readouterr().err
     assert "row group 0 is unreadable" in err and "Traceback" not in err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_replay_refuses_a_file_that_is_not_parquet_before_connecting(
+    tmp_path: Path, capsys
+) -> None:
+    source = tmp_path / "data.parquet"
+    source.write_text("not parquet\n")
+    # Port 9 (discard) has no broker: the file is judged before any connection is tried.
+    code = main(["replay", "--input", str(source), "--topic", "t",
+                 "--bootstrap-servers", "127.0.0.1:9"])  # fmt: skip
+    assert code == 2
+    assert "is not a Parquet file" in capsys.readouterr().err
