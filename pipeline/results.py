@@ -145,5 +145,8 @@ class BatchResult:
         default_factory=lambda: {"prompt": 0, "tokens": 0, "finish": 0}
     )
     decoded_tokens: int = 0
+    # Events consumed after a stop string ended their request (the server kept generating):
+    # they produce nothing, and the worker exports their count.
+    events_after_stop: int = 0
     # Request ids whose state changed (or was removed): the worker snapshots exactly these.
     touched: set[str] = field(default_factory=set)

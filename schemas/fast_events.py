@@ -54,8 +54,12 @@ class ParsedPrompt(_Event, kw_only=True, tag="prompt"):
     type = "prompt"
 
 
-class ParsedTokens(_Event, kw_only=True, tag="tokens"):
-    """A chunk of generated ids, in order: seq n follows seq n-1."""
+class ParsedTokens(_Event, kw_only=True, tag="tokens", omit_defaults=True):
+    """A chunk of generated ids, in order: seq n follows seq n-1.
+
+    Absent logprobs are not written (`omit_defaults`): tokens events are most of the input
+    topic's records, and two nulls on each would cost every producer without the option.
+    """
 
     request_id: RequestId
     seq: GeneratedSeq

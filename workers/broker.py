@@ -29,7 +29,8 @@ import sys
 import time
 import uuid
 import xml.etree.ElementTree as ElementTree
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.kafka_clients import KafkaConnection, make_admin
@@ -91,6 +92,20 @@ class BrokerStartFailed(BrokerError):
 
 
 @dataclass(frozen=True)
+class BrokerSecurity:
+    """What a secured broker adds to the plain one; `workers.secure_broker` makes it.
+
+    Kept to three plain values so this module knows nothing of TLS or SASL: server properties
+    over the template's (listeners, authorizer, ...), arguments for the storage format (the
+    bootstrap SCRAM users), and the client settings the readiness probe connects with.
+    """
+
+    server_properties: Mapping[str, str]
+    format_arguments: tuple[str, ...] = ()
+    probe_properties: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RunningBroker:
     """A broker process that answers on `bootstrap_servers`."""
 
@@ -103,7 +118,11 @@ class RunningBroker:
         return f"{LOOPBACK}:{self.port}"
 
 
-def start_broker(port: int = DEFAULT_PORT, data_dir: Path = DEFAULT_DATA_DIR) -> RunningBroker:
+def start_broker(
+    port: int = DEFAULT_PORT,
+    data_dir: Path = DEFAULT_DATA_DIR,
+    security: BrokerSecurity | None = None,
+) -> RunningBroker:
     """Start the broker of `data_dir` on `port` and return once it answers metadata requests.
 
     Idempotent: if this data directory's broker already runs, it is waited for and returned, so
@@ -118,7 +137,7 @@ def start_broker(port: int = DEFAULT_PORT, data_dir: Path = DEFAULT_DATA_DIR) ->
                 f"the broker of {data_dir} already runs on port {running.port}, not {port}; "
                 "stop it first or use another --data-dir"
             )
-        _wait_until_ready(running, process=None)
+        _wait_until_ready(running, process=None, security=security)
         return running
 
     controller_port = port + 1
@@ -131,9 +150,9 @@ def start_broker(port: int = DEFAULT_PORT, data_dir: Path = DEFAULT_DATA_DIR) ->
 
     fetch_jars()
     data_dir.mkdir(parents=True, exist_ok=True)
-    properties = _render_server_properties(port, data_dir)
+    properties = _render_server_properties(port, data_dir, security)
     if not (data_dir / "kafka-logs" / "meta.properties").exists():
-        _format_storage(properties)
+        _format_storage(properties, security.format_arguments if security else ())
 
     log_path = data_dir / "broker.log"
     with log_path.open("ab") as log:
@@ -152,7 +171,7 @@ def start_broker(port: int = DEFAULT_PORT, data_dir: Path = DEFAULT_DATA_DIR) ->
     broker = RunningBroker(pid=process.pid, port=port, data_dir=data_dir)
     _pid_file(data_dir).write_text(json.dumps({"pid": broker.pid, "port": port}) + "\n")
     try:
-        _wait_until_ready(broker, process=process)
+        _wait_until_ready(broker, process=process, security=security)
     except BrokerStartFailed:
         _terminate(broker.pid)
         _pid_file(data_dir).unlink(missing_ok=True)
@@ -226,8 +245,11 @@ def new_cluster_id() -> str:
             return cluster_id
 
 
-def _render_server_properties(port: int, data_dir: Path) -> Path:
-    """Write the template with this broker's ports and log.dirs filled in.
+def _render_server_properties(
+    port: int, data_dir: Path, security: BrokerSecurity | None = None
+) -> Path:
+    """Write the template with this broker's ports and log.dirs filled in (and `security`'s
+    properties over them; keys the template lacks are appended).
 
     The formatted storage and the running broker must read the same values, so both use this one
     rendered file rather than `--override` flags that StorageTool would not see.
@@ -238,17 +260,19 @@ def _render_server_properties(port: int, data_dir: Path) -> Path:
         "advertised.listeners": f"PLAINTEXT://{LOOPBACK}:{port}",
         "controller.quorum.voters": f"1@{LOOPBACK}:{controller_port}",
         "log.dirs": str(data_dir / "kafka-logs"),
+        **(security.server_properties if security else {}),
     }
     lines = []
     for line in (KAFKA_LOCAL_DIR / "server.properties").read_text().splitlines():
         key = line.split("=", 1)[0].strip()
-        lines.append(f"{key}={overrides[key]}" if key in overrides else line)
+        lines.append(f"{key}={overrides.pop(key)}" if key in overrides else line)
+    lines += [f"{key}={value}" for key, value in overrides.items()]
     rendered = data_dir / "server.properties"
     rendered.write_text("\n".join(lines) + "\n")
     return rendered
 
 
-def _format_storage(properties: Path) -> None:
+def _format_storage(properties: Path, extra_arguments: tuple[str, ...] = ()) -> None:
     """Format a fresh KRaft log directory (static quorum, so no --standalone)."""
     command = [
         _java(),
@@ -261,6 +285,7 @@ def _format_storage(properties: Path) -> None:
         new_cluster_id(),
         "-c",
         str(properties),
+        *extra_arguments,
     ]
     # Format takes ~1 s; 120 s only guards against a wedged JVM on a loaded machine.
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
@@ -271,7 +296,11 @@ def _format_storage(properties: Path) -> None:
         )
 
 
-def _wait_until_ready(broker: RunningBroker, process: subprocess.Popen[bytes] | None) -> None:
+def _wait_until_ready(
+    broker: RunningBroker,
+    process: subprocess.Popen[bytes] | None,
+    security: BrokerSecurity | None = None,
+) -> None:
     """Block until a metadata request succeeds; fail fast if the broker process exits."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -281,7 +310,9 @@ def _wait_until_ready(broker: RunningBroker, process: subprocess.Popen[bytes] | 
                 f"the Kafka broker exited during start-up; last lines of {_log(broker)}:\n"
                 f"{_log_tail(broker)}"
             )
-        if answers_metadata(broker.bootstrap_servers):
+        if answers_metadata(
+            broker.bootstrap_servers, security.probe_properties if security else {}
+        ):
             return
         time.sleep(POLL_INTERVAL_S)
     raise BrokerStartFailed(
@@ -290,7 +321,7 @@ def _wait_until_ready(broker: RunningBroker, process: subprocess.Popen[bytes] | 
     )
 
 
-def answers_metadata(bootstrap_servers: str) -> bool:
+def answers_metadata(bootstrap_servers: str, properties: Mapping[str, str] | None = None) -> bool:
     """True if a broker at `bootstrap_servers` answers a metadata request listing itself.
 
     A plain TCP connect comes first so a closed port costs nothing and librdkafka does not log
@@ -303,7 +334,7 @@ def answers_metadata(bootstrap_servers: str) -> bool:
     except OSError:
         return False
     try:
-        metadata = make_admin(KafkaConnection(bootstrap_servers)).list_topics(
+        metadata = make_admin(KafkaConnection(bootstrap_servers, properties or {})).list_topics(
             timeout=METADATA_TIMEOUT_S
         )
     except Exception:  # KafkaException while the broker is still coming up

@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "workers.commands.collect",
     "workers.commands.dlq",
     "workers.commands.demo",
+    "workers.commands.acls",
 )
 
 

@@ -7,12 +7,14 @@ the same thing, validated the same way, and the bounds below are documented once
 from __future__ import annotations
 
 import uuid
+from functools import cached_property
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from workers.kafka_clients import KafkaConnection
+from workers.kafka_clients import KafkaConnection, configured_connection
 from workers.topic_names import TopicNames
 
 Guarantee = Literal["exactly-once", "at-least-once"]
@@ -21,7 +23,8 @@ Guarantee = Literal["exactly-once", "at-least-once"]
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DETOK_", env_nested_delimiter="__", frozen=True)
 
-    bootstrap_servers: str
+    # Else `bootstrap.servers` of the Kafka config, else $KAFKA_BOOTSTRAP_SERVERS (`connection`).
+    bootstrap_servers: str | None = None
     # `MODEL=PATH` specs, as for `detok run`; `MODEL=N` for models whose embedding is larger.
     tokenizers: list[str] = Field(min_length=1)
     model_vocab_sizes: list[str] = []
@@ -59,13 +62,20 @@ class WorkerSettings(BaseSettings):
     # the final commit and the leave are cut short. Under a container's usual 30 s grace period,
     # so the orchestrator never has to SIGKILL a worker mid-commit.
     shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
-    # Kafka client settings passed through unchanged to every client (e.g. security), given as a
-    # JSON object (`DETOK_KAFKA_CONFIG='{"security.protocol": "SSL"}'`).
-    kafka_config: dict[str, str] = {}
+    # Client settings for every Kafka client (TLS, SASL, tuning): a librdkafka properties file
+    # (`--kafka-config`, DETOK_KAFKA_CONFIG_FILE) and `-X key=value` over it; see
+    # workers/kafka_config.py. Read when `connection` is first asked for, outside pydantic's
+    # validation, whose errors would quote the values (passwords included).
+    kafka_config_file: Path | None = None
+    kafka_overrides: list[str] = []
 
-    @property
+    @cached_property
     def connection(self) -> KafkaConnection:
-        return KafkaConnection(self.bootstrap_servers, self.kafka_config)
+        """Raises KafkaConfigError for a config detok refuses or no bootstrap address
+        (DETOK_BOOTSTRAP_SERVERS and --bootstrap-servers set `bootstrap_servers`)."""
+        return configured_connection(
+            self.bootstrap_servers, self.kafka_config_file, self.kafka_overrides
+        )
 
     @property
     def transactional_id(self) -> str:

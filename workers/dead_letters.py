@@ -133,6 +133,7 @@ def redrive(
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
         },
+        start_up=True,
     )
     tracker = DeliveryTracker()
     try:

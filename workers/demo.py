@@ -75,7 +75,8 @@ class DemoError(Exception):
 class DemoOptions:
     """What `detok demo` was asked for (see its --help)."""
 
-    bootstrap_servers: str | None  # None: start or reuse the local `detok broker`
+    connection: KafkaConnection
+    kafka_config_flags: list[str]  # --kafka-config / -X for the workers (see options.py)
     shared_dir: Path
     tokenizer_overrides: list[str]  # MODEL=PATH for gpt2 or qwen2
     model_vocab_sizes: dict[str, int]  # over the sample's own (qwen2's embedding size)
@@ -250,7 +251,7 @@ def metrics_ports(base: int | None, count: int) -> list[int]:
 
 
 def start_workers(
-    bootstrap: str,
+    connection_flags: list[str],
     names: TopicNames,
     group: str,
     tokenizer_flags: list[str],
@@ -263,7 +264,7 @@ def start_workers(
         log_path = log_dir / f"{name}.log"
         command = [
             sys.executable, "-m", "workers.cli", "worker",
-            "--bootstrap-servers", bootstrap,
+            *connection_flags,
             "--group", group,
             "--instance-id", f"{group}-{name}",
             "--metrics-port", str(port),
@@ -277,10 +278,12 @@ def start_workers(
     return workers
 
 
-def wait_for_assignment(bootstrap: str, group: str, workers: list[WorkerProcess]) -> None:
+def wait_for_assignment(
+    connection: KafkaConnection, group: str, workers: list[WorkerProcess]
+) -> None:
     """Until every worker owns input partitions: replaying before that would process records
     during the join rebalance, which is correct but makes the run less repeatable."""
-    admin = make_admin(KafkaConnection(bootstrap))
+    admin = make_admin(connection)
     deadline = time.monotonic() + WAIT_BOUND_S
     while True:
         _fail_on_dead(workers)
@@ -406,20 +409,23 @@ def demo(args: DemoOptions) -> Report:
     offline_s = time.monotonic() - offline_started
     _say(f"detok run: {len(expected)} completions in {offline_s:.1f} s")
 
-    bootstrap = args.bootstrap_servers or _local_broker()
+    connection = args.connection
+    connection_flags = [
+        "--bootstrap-servers", connection.bootstrap_servers, *args.kafka_config_flags
+    ]  # fmt: skip
     names = demo_topics(run_id)
     group = f"detok-demo-{run_id}"
-    ensure_topics(bootstrap, names, PARTITIONS)
-    _say(f"broker {bootstrap}; topics {names.input} and 5 more; group {group}")
+    ensure_topics(connection, names, PARTITIONS)
+    _say(f"broker {connection.bootstrap_servers}; topics {names.input} and 5 more; group {group}")
     ports = metrics_ports(args.metrics_port, WORKERS)
-    workers = start_workers(bootstrap, names, group, tokenizer_flags, ports, out)
+    workers = start_workers(connection_flags, names, group, tokenizer_flags, ports, out)
     try:
-        report = _run_pipeline(bootstrap, names, group, workers, sample, expected, offline_s)
+        report = _run_pipeline(connection, names, group, workers, sample, expected, offline_s)
         if args.keep_running and report.passed:
             _serve_until_interrupted(workers)
     finally:
         codes = stop_workers(workers)
-        for topic in delete_topics(bootstrap, list(names.all)):
+        for topic in delete_topics(connection, list(names.all)):
             _say(f"could not delete topic {topic}")
     report.check(
         "both workers stopped cleanly on SIGTERM",
@@ -431,7 +437,7 @@ def demo(args: DemoOptions) -> Report:
 
 
 def _run_pipeline(
-    bootstrap: str,
+    connection: KafkaConnection,
     names: TopicNames,
     group: str,
     workers: list[WorkerProcess],
@@ -440,12 +446,12 @@ def _run_pipeline(
     offline_s: float,
 ) -> Report:
     """Replay the sample through the running workers, collect, check and summarise."""
-    wait_for_assignment(bootstrap, group, workers)
+    wait_for_assignment(connection, group, workers)
     _say(f"{WORKERS} workers own the {PARTITIONS} input partitions; replaying")
     pipeline_started = time.monotonic()
-    totals = replay(bootstrap, sample.path, names.input, progress=False)
+    totals = replay(connection, sample.path, names.input, progress=False)
     received = collect(
-        bootstrap, names.completions, expect=len(expected), idle_timeout_s=WAIT_BOUND_S
+        connection, names.completions, expect=len(expected), idle_timeout_s=WAIT_BOUND_S
     )
     scrapes = wait_all_consumed(workers, totals.events)
     pipeline_s = time.monotonic() - pipeline_started
@@ -455,7 +461,7 @@ def _run_pipeline(
     return report
 
 
-def _local_broker() -> str:
+def local_broker() -> str:
     """Start (or reuse) this checkout's broker. If its port is held by another broker (say,
     another clone's `detok broker start`), use that one: the demo's topics are its own."""
     try:

@@ -1,8 +1,8 @@
 """Every Kafka client detok makes is made here: consumers, producers, admin clients.
 
 One place owns how detok talks to a cluster, so a setting every client needs (the bootstrap
-address today; TLS and SASL properties tomorrow) is added once, and the producer defaults that
-keep detok compatible with Java clients are written once:
+address, TLS and SASL properties from `workers.kafka_config`) is added once, and the producer
+defaults that keep detok compatible with Java clients are written once:
 
 - `partitioner=murmur2_random`: Java producers hash keys with murmur2. A request's events and
   outputs must land on the partition a Java producer would choose for the same key, or a mixed
@@ -11,7 +11,9 @@ keep detok compatible with Java clients are written once:
   kept across retries (the worker's changelog and the input's seq order rely on both).
 
 Callers pass only what their role needs (a group id, a transactional id, fetch tuning); the
-connection's passthrough properties are applied last, as `detok worker` always did.
+connection's properties (the user's file and `-X`) are applied last, so they tune any client;
+the settings detok's guarantees depend on are refused when the connection is made
+(`kafka_config.check_protected`), so applying them last can never weaken those.
 
 Commands that write to Kafka produce through a `DeliveryTracker`, so what was not delivered is
 counted and reported instead of lost silently; `topic_partitions` turns "no broker" and "no such
@@ -20,14 +22,20 @@ topic" into two clear errors within a bound.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, ClusterMetadata
 
+from workers.kafka_config import KafkaConfigError, check_protected, client_properties, redacted
+
+BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "partitioner": "murmur2_random",
     "enable.idempotence": True,
@@ -41,19 +49,116 @@ DEFAULT_BATCH_BYTES = 1_000_000
 # milliseconds; 15 s covers a broker that is still starting, and turns an unreachable one into a
 # clear error instead of a hang.
 METADATA_TIMEOUT_S = 15.0
+# Errors no retry can cure: an ACL is missing (which one, the error's name says).
+AUTHORIZATION_ERRORS = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    }
+)
+# Metadata is asked for in slices this long, so a refused connection is noticed between them;
+# a live cluster answers the first slice in milliseconds.
+METADATA_SLICE_S = 0.5
 
 
 @dataclass(frozen=True)
 class KafkaConnection:
     """How to reach one cluster: the bootstrap address and client properties passed through
-    unchanged to every client (librdkafka names, e.g. `security.protocol`)."""
+    unchanged to every client (librdkafka names, e.g. `security.protocol`).
+
+    Made only with checked properties (ProtectedSetting otherwise), and printed only redacted:
+    a connection ends up in error messages and logs, its password must not.
+    """
 
     bootstrap_servers: str
     properties: Mapping[str, Any] = field(default_factory=dict)
 
-    def client_config(self, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """`settings` for one client on this connection."""
-        return {"bootstrap.servers": self.bootstrap_servers, **settings, **self.properties}
+    def __post_init__(self) -> None:
+        check_protected(self.properties)
+
+    def __repr__(self) -> str:
+        return f"KafkaConnection({self.bootstrap_servers!r}, {redacted(self.properties)!r})"
+
+    def client_config(
+        self, settings: Mapping[str, Any], *, start_up: bool = False
+    ) -> dict[str, Any]:
+        """`settings` for one client on this connection, with an error callback that ends a
+        refused connection at once (see `RefusalWatch`; `start_up` for a command's first
+        requests)."""
+        watch = RefusalWatch(self.bootstrap_servers, self.properties, start_up=start_up)
+        return {
+            "bootstrap.servers": self.bootstrap_servers,
+            "error_cb": watch,
+            **settings,
+            **self.properties,
+        }
+
+
+class RefusalWatch:
+    """A client's `error_cb`: raises (from the poll that serves it) when the cluster refuses the
+    client, so a wrong password or certificate ends a command within a second, naming the cause,
+    instead of as a metadata timeout (librdkafka retries a refused login forever and only logs).
+
+    Refusals: a failed SASL login (`_AUTHENTICATION`) and a failed TLS handshake (`_SSL`: an
+    untrusted certificate, a TLS client on a plaintext port). A plaintext client on a TLS or SASL
+    listener gets no error of its own: the broker just closes each connection during the first
+    request, which librdkafka reports as "all brokers down" with no transport error before it
+    (a stopped broker refuses the connection first: `_TRANSPORT`). That pattern is taken as a
+    refusal only by clients made for a command's start-up (`start_up`), never by a running
+    worker's clients, for which a restarting broker can look the same.
+    """
+
+    def __init__(
+        self, bootstrap_servers: str, properties: Mapping[str, Any], *, start_up: bool
+    ) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.protocol = str(properties.get("security.protocol", "plaintext")).upper()
+        self.start_up = start_up
+        self.transport_errors = 0
+
+    def __call__(self, error: KafkaError) -> None:
+        code = error.code()
+        if code in (KafkaError._AUTHENTICATION, KafkaError._SSL):
+            raise KafkaException(error)
+        if code == KafkaError._TRANSPORT:
+            self.transport_errors += 1
+        elif code == KafkaError._ALL_BROKERS_DOWN and self.start_up and not self.transport_errors:
+            raise KafkaException(
+                KafkaError(
+                    KafkaError._ALL_BROKERS_DOWN,
+                    f"the broker at {self.bootstrap_servers} closed every connection during the "
+                    f"first request: its listener likely expects another security.protocol "
+                    f"(this client uses {self.protocol}; see --kafka-config)",
+                )
+            )
+
+
+def configured_connection(
+    bootstrap_servers: str | None,
+    config_file: Path | None,
+    overrides: Iterable[str] = (),
+    fallback: Callable[[], str] | None = None,
+) -> KafkaConnection:
+    """The connection a command's flags describe: `kafka_config.client_properties` for the
+    settings; the address from `bootstrap_servers` (a flag), else `bootstrap.servers` of the
+    config, else $KAFKA_BOOTSTRAP_SERVERS, else `fallback()` (the demo's local broker).
+
+    Raises KafkaConfigError (never quoting a secret) for a config detok refuses or no address,
+    before any client is made.
+    """
+    properties = client_properties(config_file, overrides)
+    from_config = properties.pop("bootstrap.servers", None)
+    bootstrap = bootstrap_servers or from_config or os.environ.get(BOOTSTRAP_ENV)
+    if not bootstrap and fallback is not None:
+        bootstrap = fallback()
+    if not bootstrap:
+        raise KafkaConfigError(
+            "no Kafka bootstrap servers: pass --bootstrap-servers, set "
+            f"${BOOTSTRAP_ENV}, or put bootstrap.servers in the Kafka config file"
+        )
+    return KafkaConnection(bootstrap, properties)
 
 
 def as_connection(connection: KafkaConnection | str) -> KafkaConnection:
@@ -64,8 +169,11 @@ def as_connection(connection: KafkaConnection | str) -> KafkaConnection:
     return KafkaConnection(connection)
 
 
-def make_consumer(connection: KafkaConnection, settings: Mapping[str, Any]) -> Consumer:
-    return Consumer(connection.client_config(settings))
+def make_consumer(
+    connection: KafkaConnection, settings: Mapping[str, Any], *, start_up: bool = False
+) -> Consumer:
+    """A consumer; `start_up` for a short command's reader (see `RefusalWatch`)."""
+    return Consumer(connection.client_config(settings, start_up=start_up))
 
 
 def make_producer(
@@ -89,7 +197,9 @@ def sized_for(max_message_bytes: int) -> dict[str, Any]:
 
 
 def make_admin(connection: KafkaConnection) -> AdminClient:
-    return AdminClient(connection.client_config({}))
+    """An admin client; commands use one for their first requests, so it is a start-up client
+    (see `RefusalWatch`)."""
+    return AdminClient(connection.client_config({}, start_up=True))
 
 
 def produce(producer: Producer, topic: str, value: bytes | None, **kwargs: Any) -> None:
@@ -105,6 +215,10 @@ def produce(producer: Producer, topic: str, value: bytes | None, **kwargs: Any) 
 class KafkaUnavailable(Exception):
     """No broker answered within a command's bound: a clear message instead of a hang or a
     librdkafka traceback."""
+
+
+class NotAuthorized(Exception):
+    """The cluster's ACLs do not let this principal use a resource the command needs."""
 
 
 class UnknownTopic(LookupError):
@@ -181,13 +295,22 @@ class DeliveryTracker:
 def cluster_metadata(
     client: Consumer | Producer | AdminClient, timeout_s: float, topic: str | None = None
 ) -> ClusterMetadata:
-    """The cluster's metadata (of one topic, or of all), or KafkaUnavailable after `timeout_s`."""
-    try:
-        return client.list_topics(topic, timeout=timeout_s)
-    except KafkaException as error:
-        raise KafkaUnavailable(
-            f"no Kafka broker answered within {timeout_s:.0f} s ({error.args[0].str()})"
-        ) from error
+    """The cluster's metadata (of one topic, or of all), or KafkaUnavailable after `timeout_s`.
+
+    Asked in slices of METADATA_SLICE_S with the client's callbacks served between them, so a
+    refused login or handshake (`RefusalWatch`) ends the wait at once, naming its cause. Only
+    called before a consumer is assigned anything, so its poll returns no record.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.list_topics(topic, timeout=min(METADATA_SLICE_S, timeout_s))
+        except KafkaException as error:
+            client.poll(0)  # raises the refusal RefusalWatch saw, if any
+            if time.monotonic() >= deadline:
+                raise KafkaUnavailable(
+                    f"no Kafka broker answered within {timeout_s:.0f} s ({error.args[0].str()})"
+                ) from error
 
 
 def topic_partitions(
@@ -199,6 +322,15 @@ def topic_partitions(
     so a command says which of the two it met instead of producing into the void or waiting.
     """
     found = cluster_metadata(client, timeout_s, topic).topics.get(topic)
+    if (
+        found is not None
+        and found.error is not None
+        and found.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    ):
+        raise NotAuthorized(
+            f"not authorized to use topic {topic!r} (the principal of --kafka-config has no "
+            "ACL for it; see `detok acls grant`)"
+        )
     if found is None or found.error is not None or not found.partitions:
         raise UnknownTopic(f"topic {topic!r} does not exist (create it with `detok topics ensure`)")
     return sorted(found.partitions)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import ConfigResource, ResourceType
 
 from workers.kafka_clients import KafkaConnection, make_admin
@@ -120,6 +120,7 @@ def read_output_limits(
     limits: dict[str, int] = {}
     for resource, future in futures.items():
         while not future.done():
+            admin.poll(0)  # serves RefusalWatch: a refused login ends the wait, named
             if should_stop():
                 raise TopicsUnavailable("stopped while reading the topic configurations")
             if time.monotonic() > deadline:
@@ -131,6 +132,11 @@ def read_output_limits(
         try:
             configs = future.result()
         except KafkaException as exception:
+            if exception.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                raise TopicsUnavailable(
+                    f"not authorized to describe the configuration of topic {resource.name} "
+                    "(DESCRIBE_CONFIGS; `detok acls grant --role worker` grants the worker's ACLs)"
+                ) from None
             raise TopicsUnavailable(
                 f"topic {resource.name} is not usable: {exception.args[0].str()} (does it "
                 "exist? create the pipeline's topics with `detok topics ensure`)"

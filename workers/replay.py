@@ -183,6 +183,7 @@ def collect(
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
         },
+        start_up=True,
     )
     completions: dict[str, Completion] = {}
     try:

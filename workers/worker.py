@@ -51,7 +51,7 @@ from workers.checkpointing import (
     strategy_for,
 )
 from workers.config import WorkerSettings
-from workers.kafka_clients import make_consumer, make_producer
+from workers.kafka_clients import AUTHORIZATION_ERRORS, make_consumer, make_producer
 from workers.output_limits import OutputLimits
 from workers.output_writer import OutputWriter
 from workers.process_policy import StopRequest
@@ -310,7 +310,7 @@ class Worker:
                 self.at_end.add(message.partition())
             elif error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise FatalWorkerError(f"input topic {self.topics.input} does not exist")
-            elif error.fatal():
+            elif error.fatal() or error.code() in AUTHORIZATION_ERRORS:  # no retry grants an ACL
                 raise FatalWorkerError(f"consumer: {describe_error(error)}")
             else:
                 log.warning("consumer error: %s", error)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from schemas.events import INPUT_EVENT_ADAPTER, MAX_TOKEN_ID
+from schemas.events import INPUT_EVENT_ADAPTER, MAX_TOKEN_ID, encode_json
 from schemas.fast_events import (
     ParsedFinish,
     ParsedPrompt,
@@ -180,8 +180,10 @@ def test_msgspec_accepts_only_what_the_contract_accepts(raw: bytes) -> None:
 
 
 def _plain(event: Any) -> Any:
-    """The event as JSON values (a top-logprob pair is a tuple in the Struct, a list in JSON)."""
-    return json.loads(encode_event(event))
+    """Every field of the event as JSON values, defaults included (the encoder leaves absent
+    logprobs out; a top-logprob pair is a tuple in the Struct, a list in JSON)."""
+    fields = {name: getattr(event, name) for name in event.__struct_fields__}
+    return json.loads(encode_json({"type": event.type, **fields}))
 
 
 @given(st.binary(max_size=40).map(lambda tail: b'{"type":"tokens","request_id":"r",' + tail))
@@ -214,5 +216,12 @@ def test_encoding_is_what_the_contract_writes() -> None:
     ]
     for event in events:
         wire = encode_event(event)
-        assert wire == INPUT_EVENT_ADAPTER.validate_json(wire).model_dump_json().encode()
+        model = INPUT_EVENT_ADAPTER.validate_json(wire)
+        # A tokens event leaves out absent logprobs; every other field is written as is.
+        omitted = {
+            name
+            for name in ("logprobs", "top_logprobs")
+            if isinstance(event, ParsedTokens) and getattr(model, name) is None
+        }
+        assert wire == model.model_dump_json(exclude=omitted).encode()
         assert event_from_json(event_to_json(event)) == event

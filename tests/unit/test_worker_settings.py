@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from workers.cli import build_parser
 from workers.commands.worker import settings_from_args
+from workers.kafka_config import KafkaConfigError
 
 
 def parse(*argv: str):
@@ -48,8 +49,8 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
 def test_invalid_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DETOK_BOOTSTRAP_SERVERS", raising=False)
     monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
-    with pytest.raises(ValidationError):
-        parse("--tokenizer", "m=/p")  # no bootstrap servers anywhere
+    with pytest.raises(KafkaConfigError, match="no Kafka bootstrap servers"):
+        _ = parse("--tokenizer", "m=/p").connection  # no bootstrap servers anywhere
     with pytest.raises(ValidationError):
         parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p", "--commit-interval-ms", "0")
     with pytest.raises(ValidationError):

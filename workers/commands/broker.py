@@ -17,6 +17,7 @@ from workers.broker import (
     stop_broker,
 )
 from workers.commands.options import positive_int
+from workers.secure_broker import probe_properties, start_secure_broker
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +36,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         help="fetch jars if needed, start, wait until ready; prints KAFKA_BOOTSTRAP_SERVERS",
     )
     start.add_argument("--port", type=positive_int, default=DEFAULT_PORT, help="client port")
+    start.add_argument(
+        "--security",
+        choices=["plaintext", "sasl-ssl"],
+        default="plaintext",
+        help="sasl-ssl: TLS + SCRAM users admin/worker/reader/producer, ACLs enforced; writes "
+        "<user>.properties client configs into the data dir (see workers/secure_broker.py)",
+    )
     start.set_defaults(func=_cli_start)
 
     stop = actions.add_parser("stop", help="stop the broker (SIGTERM, then SIGKILL)")
@@ -51,11 +59,18 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _cli_start(args: argparse.Namespace) -> int:
     try:
-        broker = start_broker(port=args.port, data_dir=args.data_dir)
+        if args.security == "sasl-ssl":
+            secured = start_secure_broker(port=args.port, data_dir=args.data_dir)
+            broker = secured.running
+        else:
+            broker = start_broker(port=args.port, data_dir=args.data_dir)
     except BrokerError as error:
         print(f"detok broker start: {error}", file=sys.stderr)
         return 1
     print(f"Kafka broker pid {broker.pid}, data dir {broker.data_dir}")
+    if args.security == "sasl-ssl":
+        for user, path in secured.client_configs.items():
+            print(f"KAFKA_CONFIG_{user.upper()}={path}")
     # Last line of stdout, so `eval "$(detok broker start | tail -1)"` or `export $(...)` works.
     print(f"KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
     return 0
@@ -75,7 +90,9 @@ def _cli_status(args: argparse.Namespace) -> int:
     if broker is None:
         print(f"not running (data dir {args.data_dir.resolve()})")
         return 1
-    state = "ready" if answers_metadata(broker.bootstrap_servers) else "starting or unresponsive"
+    probe = probe_properties(broker.data_dir)
+    ready = answers_metadata(broker.bootstrap_servers, probe)
+    state = "ready" if ready else "starting or unresponsive"
     print(f"running ({state}): pid {broker.pid}, data dir {broker.data_dir}")
     print(f"KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
     return 0

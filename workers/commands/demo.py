@@ -9,8 +9,21 @@ from pathlib import Path
 
 from pipeline.tokenizer_registry import TokenizerSpecError, parse_vocab_size_specs
 from workers.commands import failures
-from workers.commands.options import add_connection_options, add_tokenizer_options, positive_int
-from workers.demo import DEFAULT_OUTPUT_DIR, DEFAULT_SHARED_DIR, DemoOptions, run
+from workers.commands.options import (
+    add_connection_options,
+    add_tokenizer_options,
+    connection_from,
+    kafka_config_arguments,
+    positive_int,
+)
+from workers.demo import (
+    DEFAULT_OUTPUT_DIR,
+    DEFAULT_SHARED_DIR,
+    DemoError,
+    DemoOptions,
+    local_broker,
+    run,
+)
 from workers.prometheus import DEFAULT_METRICS_PORT
 
 
@@ -23,7 +36,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "`detok run`. Exit 0 only if every check passes. --bootstrap-servers defaults to "
         "$KAFKA_BOOTSTRAP_SERVERS; without either, the local `detok broker` is started or reused.",
     )
-    add_connection_options(parser, required=False)
+    add_connection_options(parser)
     parser.add_argument(
         "--shared-dir",
         type=Path,
@@ -56,8 +69,16 @@ def run_demo(args: argparse.Namespace) -> int:
     except TokenizerSpecError as error:
         print(f"detok demo: {error}", file=sys.stderr)
         return 2
+    try:
+        connection = connection_from(args, fallback=local_broker)
+    except DemoError as error:
+        print(f"detok demo: {error}", file=sys.stderr)
+        return 2
+    except failures.KAFKA_FAILURES as error:
+        return failures.report("demo", error)
     options = DemoOptions(
-        bootstrap_servers=args.bootstrap_servers,
+        connection=connection,
+        kafka_config_flags=kafka_config_arguments(args),
         shared_dir=args.shared_dir,
         tokenizer_overrides=args.tokenizers,
         model_vocab_sizes=vocab_sizes,

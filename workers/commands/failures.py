@@ -10,13 +10,30 @@ import sys
 
 from confluent_kafka import KafkaException
 
-from workers.kafka_clients import KafkaUnavailable, UndeliveredRecords, UnknownTopic
+from workers.kafka_clients import (
+    KafkaUnavailable,
+    NotAuthorized,
+    UndeliveredRecords,
+    UnknownTopic,
+)
+from workers.kafka_config import KafkaConfigError
 
-KAFKA_FAILURES = (KafkaUnavailable, UnknownTopic, UndeliveredRecords, KafkaException)
+KAFKA_FAILURES = (
+    KafkaUnavailable,
+    UnknownTopic,
+    NotAuthorized,
+    UndeliveredRecords,
+    KafkaException,
+    KafkaConfigError,
+)
 
 
 def report(command: str, error: Exception) -> int:
-    """Print `error` for `detok COMMAND` and return the exit code for it."""
+    """Print `error` for `detok COMMAND` and return the exit code for it: 2 for a client
+    configuration detok refuses (a usage error: nothing was tried), else 1."""
+    if isinstance(error, KafkaConfigError):
+        print(f"detok {command}: {error}", file=sys.stderr)
+        return 2
     if isinstance(error, KafkaException):
         message = f"Kafka error: {error.args[0].str() if error.args else error}"
     else:

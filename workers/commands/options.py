@@ -9,38 +9,73 @@ bench start `detok worker` processes with the same flags, rendered by `topic_arg
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from pipeline.tokenizer_registry import TokenizerRegistry, parse_vocab_size_specs
-from workers.kafka_clients import KafkaConnection
+from workers.kafka_clients import BOOTSTRAP_ENV, KafkaConnection, configured_connection
+from workers.kafka_config import CONFIG_FILE_ENV
 from workers.topic_names import TopicNames
 
-BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 ROLES = tuple(TopicNames.model_fields)
 # Spellings accepted besides `--{role}-topic`, because earlier releases documented them.
 TOPIC_FLAG_ALIASES = {"dead_letters": ("--dead-letter-topic",)}
 
 
-def add_connection_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    """`--bootstrap-servers`, defaulting to $KAFKA_BOOTSTRAP_SERVERS.
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """`--bootstrap-servers`, `--kafka-config FILE` and repeatable `-X key=value`.
 
-    When required and that is unset, a missing address is argparse's clear usage error (exit 2),
-    not a hang on connect.
+    The bootstrap address is the flag, else `bootstrap.servers` from the config (file or `-X`),
+    else $KAFKA_BOOTSTRAP_SERVERS; with none, `connection_from` raises a KafkaConfigError (a
+    clear message, exit 2) instead of a hang on connect.
     """
-    default = os.environ.get(BOOTSTRAP_ENV)
     parser.add_argument(
         "--bootstrap-servers",
-        default=default,
-        required=required and default is None,
         metavar="HOST:PORT",
-        help=f"Kafka bootstrap servers (default: ${BOOTSTRAP_ENV})",
+        help=f"Kafka bootstrap servers (default: bootstrap.servers of the config, else "
+        f"${BOOTSTRAP_ENV})",
+    )
+    parser.add_argument(
+        "--kafka-config",
+        type=Path,
+        dest="kafka_config_file",
+        metavar="FILE",
+        help="librdkafka properties file (key=value lines, # comments; the file kcat -F reads) "
+        f"for TLS, SASL and other client settings (default: ${CONFIG_FILE_ENV})",
+    )
+    parser.add_argument(
+        "-X",
+        action="append",
+        dest="kafka_overrides",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a librdkafka property, over the config file (repeatable)",
     )
 
 
-def connection_from(args: argparse.Namespace) -> KafkaConnection:
-    return KafkaConnection(args.bootstrap_servers)
+def connection_from(
+    args: argparse.Namespace, fallback: Callable[[], str] | None = None
+) -> KafkaConnection:
+    """The connection the flags, the config file and the environment describe (`fallback()`
+    gives the address when none of them does).
+
+    Raises KafkaConfigError (which never quotes a secret) for an unreadable or malformed file,
+    a protected setting, or no bootstrap address at all.
+    """
+    return configured_connection(
+        args.bootstrap_servers, args.kafka_config_file, args.kafka_overrides, fallback
+    )
+
+
+def kafka_config_arguments(args: argparse.Namespace) -> list[str]:
+    """The `--kafka-config` and `-X` flags given to this command, for a child command (the
+    demo's workers), which gets the resolved address as `--bootstrap-servers`."""
+    arguments = []
+    if args.kafka_config_file:
+        arguments += ["--kafka-config", str(args.kafka_config_file)]
+    for override in args.kafka_overrides:
+        arguments += ["-X", override]
+    return arguments
 
 
 def add_topic_options(

@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from confluent_kafka import KafkaException
 from pydantic import ValidationError
 
 from pipeline.tokenizer_registry import (
@@ -25,11 +26,14 @@ from workers.commands.options import (
     topic_names_from,
 )
 from workers.config import WorkerSettings
+from workers.kafka_config import KafkaConfigError
 from workers.output_limits import TopicLimitError, TopicsUnavailable, read_output_limits
 from workers.process_policy import StopRequest, tune_garbage_collector
 from workers.prometheus import PrometheusMetrics
 from workers.topic_names import TopicNames
 from workers.worker import Worker
+
+log = logging.getLogger(__name__)
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +44,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "(e.g. DETOK_BOOTSTRAP_SERVERS, DETOK_TOKENIZERS='[\"gpt2=/path\"]', DETOK_TOPICS__INPUT).",
     )
     # Not required here: each may come from a DETOK_* variable instead (see WorkerSettings).
-    add_connection_options(parser, required=False)
+    add_connection_options(parser)
     add_tokenizer_options(parser, required=False)
     add_topic_options(parser)
     parser.add_argument("--group")
@@ -98,10 +102,11 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         settings = settings_from_args(args)
+        log.info("Kafka %r", settings.connection)  # redacted: see KafkaConnection
         registry = TokenizerRegistry.from_specs(
             settings.tokenizers, parse_vocab_size_specs(settings.model_vocab_sizes)
         )
-    except (ValidationError, TokenizerSpecError) as error:
+    except (ValidationError, TokenizerSpecError, KafkaConfigError) as error:
         print(f"detok worker: {error}", file=sys.stderr)
         return 2
     stop = StopRequest()
@@ -118,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         if stop.requested:
             return 0
         print(f"detok worker: {error}", file=sys.stderr)
+        return 1
+    except KafkaException as error:  # a refused login or handshake (kafka_clients.RefusalWatch)
+        print(f"detok worker: Kafka error: {error.args[0].str()}", file=sys.stderr)
         return 1
     metrics = PrometheusMetrics(registry.names, registry=None)
     if settings.metrics_port is not None:

@@ -1,0 +1,240 @@
+"""Kafka client configuration: the properties file and `-X` as kcat reads them, precedence,
+refusal of settings detok's guarantees depend on, redaction of secrets, OAUTHBEARER callbacks."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from workers import msk_iam
+from workers.cli import build_parser, main
+from workers.commands.options import connection_from
+from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection
+from workers.kafka_config import (
+    CONFIG_FILE_ENV,
+    LEGACY_JSON_ENV,
+    PROTECTED,
+    REDACTED,
+    KafkaConfigError,
+    ProtectedSetting,
+    client_properties,
+    parse_properties,
+    redacted,
+)
+
+SECRET = "s3cr3t-Pa55word-never-printed"
+NOWHERE = "127.0.0.1:9"  # nothing listens: a command that got as far as connecting would fail
+KAFKA_COMMANDS = (
+    ["worker"],
+    ["topics", "ensure"],
+    ["replay", "--input", __file__],
+    ["collect", "--output", "/dev/null"],
+    ["dlq", "redrive"],
+    ["demo"],
+    ["acls", "grant", "--principal", "User:x", "--role", "reader"],
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (CONFIG_FILE_ENV, LEGACY_JSON_ENV, "KAFKA_BOOTSTRAP_SERVERS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "client.properties"
+    path.write_text(text)
+    return path
+
+
+def test_a_kcat_properties_file_is_read_as_librdkafka_reads_it() -> None:
+    text = (
+        "# Confluent Cloud\n"
+        "\n"
+        "security.protocol=SASL_SSL\n"
+        "  sasl.mechanisms = PLAIN  \n"
+        "sasl.username=KEY\n"
+        f"sasl.password={SECRET}==\n"  # base64 padding: only the first = splits
+    )
+    assert parse_properties(text, "f") == {
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanisms": "PLAIN",
+        "sasl.username": "KEY",
+        "sasl.password": f"{SECRET}==",
+    }
+
+
+def test_a_malformed_line_is_named_by_number_without_echoing_it() -> None:
+    with pytest.raises(KafkaConfigError, match="f, line 2: expected key=value") as raised:
+        parse_properties(f"a=b\n{SECRET}\n", "f")
+    assert SECRET not in str(raised.value)
+
+
+def test_dash_x_overrides_the_file_which_overrides_detok_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path, "linger.ms=5\nclient.id=from-file\ncompression.type=zstd\n")
+    properties = client_properties(path, ["linger.ms=7", "acks=all"])
+    connection = KafkaConnection("b:1", properties)
+    config = connection.client_config({**PRODUCER_DEFAULTS, "linger.ms": 20, "batch.size": 10})
+    assert config["linger.ms"] == "7"  # -X over the file over detok's 20
+    assert config["client.id"] == "from-file"
+    assert config["batch.size"] == 10  # detok's own where nobody overrides
+    assert config["partitioner"] == "murmur2_random"
+
+
+def test_the_file_comes_from_the_environment_when_no_flag_names_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(write(tmp_path, "security.protocol=SSL\n")))
+    assert client_properties(None) == {"security.protocol": "SSL"}
+    other = tmp_path / "other.properties"
+    other.write_text("security.protocol=SASL_SSL\n")
+    assert client_properties(other) == {"security.protocol": "SASL_SSL"}
+
+
+def test_the_old_json_variable_keeps_working_between_file_and_dash_x(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LEGACY_JSON_ENV, '{"client.id": "json", "socket.nagle.disable": true}')
+    properties = client_properties(write(tmp_path, "client.id=file\n"), [])
+    assert properties == {"client.id": "json", "socket.nagle.disable": "true"}
+    assert client_properties(None, ["client.id=x"])["client.id"] == "x"
+    monkeypatch.setenv(LEGACY_JSON_ENV, f'["{SECRET}"]')
+    with pytest.raises(KafkaConfigError, match=CONFIG_FILE_ENV) as raised:
+        client_properties(None)
+    assert SECRET not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "isolation.level=read_uncommitted",
+        "enable.auto.commit=true",
+        "enable.auto.commit=false",
+        "transactional.id=mine",
+        "enable.idempotence=false",
+        "group.id=other",
+        "group.instance.id=pod-0",
+        "partitioner=consistent_random",
+        "acks=1",
+        "auto.offset.reset=latest",
+        "enable.partition.eof=false",
+        "partition.assignment.strategy=range",
+        "message.max.bytes=99999999",
+        "stats_cb=x",
+    ],
+)
+def test_settings_detok_depends_on_are_refused_naming_the_key(setting: str) -> None:
+    key = setting.split("=")[0]
+    with pytest.raises(ProtectedSetting, match=key):
+        client_properties(None, [setting])
+    with pytest.raises(ProtectedSetting, match=key):
+        KafkaConnection("b:1", dict([setting.split("=")]))
+
+
+def test_stating_the_value_detok_uses_is_allowed() -> None:
+    safe = ["isolation.level=read_committed", "enable.idempotence=true", "acks=all"]
+    assert client_properties(None, safe)["isolation.level"] == "read_committed"
+    assert client_properties(None, ["bootstrap.servers=x:1"]) == {"bootstrap.servers": "x:1"}
+
+
+def test_every_protected_key_has_a_reason() -> None:
+    assert all(reason for _, reason in PROTECTED.values())
+
+
+def test_secrets_are_redacted_wherever_a_connection_is_printed() -> None:
+    properties = {
+        "sasl.username": "worker",
+        "sasl.password": SECRET,
+        "ssl.key.password": SECRET,
+        "ssl.key.pem": SECRET,
+        "sasl.oauthbearer.client.secret": SECRET,
+        "my.custom.secret.token": SECRET,
+        "ssl.keystore.password": SECRET,
+    }
+    shown = redacted(properties)
+    assert shown["sasl.username"] == "worker"
+    assert all(value == REDACTED for key, value in shown.items() if key != "sasl.username")
+    connection = KafkaConnection("b:1", properties)
+    assert SECRET not in repr(connection) and SECRET not in str(connection)
+    assert "worker" in repr(connection)
+
+
+def test_oauth_cb_names_a_function_that_is_imported_and_passed_as_the_callback() -> None:
+    properties = client_properties(None, ["oauth_cb=workers.msk_iam:oauth_cb"])
+    assert properties["oauth_cb"] is msk_iam.oauth_cb
+    assert "msk_iam" in redacted(properties)["oauth_cb"]
+    for bad in ("oauth_cb=nope", "oauth_cb=no.such.module:f", "oauth_cb=workers.msk_iam:absent"):
+        with pytest.raises(KafkaConfigError, match="oauth_cb"):
+            client_properties(None, [bad])
+
+
+def test_the_msk_iam_callback_signs_for_the_configured_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+
+    def generate_auth_token(region: str) -> tuple[str, int]:
+        calls.append(region)
+        return "signed-token", 1_700_000_000_000
+
+    provider = types.ModuleType("aws_msk_iam_sasl_signer.MSKAuthTokenProvider")
+    provider.generate_auth_token = generate_auth_token
+    package = types.ModuleType("aws_msk_iam_sasl_signer")
+    package.MSKAuthTokenProvider = provider
+    monkeypatch.setitem(sys.modules, "aws_msk_iam_sasl_signer", package)
+    monkeypatch.setitem(sys.modules, "aws_msk_iam_sasl_signer.MSKAuthTokenProvider", provider)
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+
+    assert msk_iam.oauth_cb("region=eu-west-1") == ("signed-token", 1_700_000_000.0)
+    monkeypatch.setenv("AWS_REGION", "us-east-2")
+    assert msk_iam.oauth_cb("") == ("signed-token", 1_700_000_000.0)
+    assert calls == ["eu-west-1", "us-east-2"]
+    monkeypatch.delenv("AWS_REGION")
+    with pytest.raises(msk_iam.MskIamConfigError, match="region"):
+        msk_iam.oauth_cb(None)
+
+
+@pytest.mark.parametrize("command", KAFKA_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_every_kafka_command_takes_the_same_client_configuration(
+    command: list[str], tmp_path: Path
+) -> None:
+    path = write(tmp_path, f"bootstrap.servers={NOWHERE}\nsasl.password={SECRET}\n")
+    args = build_parser().parse_args([*command, "--kafka-config", str(path), "-X", "a.b=c"])
+    connection = connection_from(args)
+    assert connection.bootstrap_servers == NOWHERE
+    assert connection.properties == {"sasl.password": SECRET, "a.b": "c"}
+
+
+@pytest.mark.parametrize("command", KAFKA_COMMANDS[1:], ids=lambda c: " ".join(c[:2]))
+def test_a_refused_setting_ends_the_command_before_connecting(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [*command, "--bootstrap-servers", NOWHERE, "-X", f"sasl.password={SECRET}",
+         "-X", "isolation.level=read_uncommitted"]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "isolation.level cannot be overridden" in captured.err
+    assert SECRET not in captured.out + captured.err
+
+
+def test_the_worker_refuses_a_protected_setting_before_connecting(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = write(tmp_path, f"sasl.password={SECRET}\ntransactional.id=stolen\n")
+    code = main(["worker", "--bootstrap-servers", NOWHERE, "--tokenizer", "m=/nowhere",
+                 "--kafka-config", str(path)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2 and "transactional.id cannot be overridden" in captured.err
+    assert SECRET not in captured.out + captured.err
+
+
+def test_a_missing_config_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["topics", "ensure", "--kafka-config", "/no/such/file.properties"])
+    assert code == 2
+    assert "cannot read Kafka config file /no/such/file.properties" in capsys.readouterr().err
