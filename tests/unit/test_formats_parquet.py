@@ -291,3 +291,21 @@ def test_replay_refuses_a_file_that_is_not_parquet_before_connecting(
                  "--bootstrap-servers", "127.0.0.1:9"])  # fmt: skip
     assert code == 2
     assert "is not a Parquet file" in capsys.readouterr().err
+
+
+def test_completions_with_logprobs_and_a_stop_reason_round_trip_through_parquet(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    output_ids = list(b"Hi there.\n\nmore")
+    row = {"request_id": "r", "model": "bytes", "prompt_token_ids": [72],
+           "output_token_ids": output_ids, "stop": ["\n\n"],
+           "output_logprobs": [-0.5] * len(output_ids),
+           "output_top_logprobs": [[[t, -0.5], [33, -4.0]] for t in output_ids]}  # fmt: skip
+    source = write_jsonl(tmp_path / "in.jsonl", [row])
+    spec = f"bytes={tokenizer_file}"
+    assert detok_run(spec, source, tmp_path / "out.jsonl") == 0
+    assert detok_run(spec, source, tmp_path / "out.parquet") == 0
+    [expected] = read_jsonl(tmp_path / "out.jsonl")
+    [completion] = read_completions(tmp_path / "out.parquet")
+    assert json.loads(completion.model_dump_json()) == expected
+    assert expected["stop_reason"] == "\n\n" and len(expected["logprobs"]["content"]) >= 9
