@@ -35,6 +35,7 @@ WRITE_ROW_GROUP_ROWS = 8192
 ID_COLUMNS = ("prompt_token_ids", "output_token_ids")
 REQUIRED_COLUMNS = ("request_id", "model", *ID_COLUMNS)
 NO_IDS: dict[str, list[int]] = {name: [] for name in ID_COLUMNS}
+LOGPROB_COLUMNS = frozenset({"output_logprobs", "output_top_logprobs"})
 
 
 def _arrow() -> tuple[Any, Any, Any]:
@@ -105,6 +106,7 @@ def _batch_records(batch: Any, first_row: int, group: int) -> Iterator[SourceRec
     suspect = [bool(missing)] * batch.num_rows
     for column in ids:
         suspect = [a or b for a, b in zip(suspect, column.suspect, strict=True)]
+    whole = bool(LOGPROB_COLUMNS.intersection(names))
     for index in range(batch.num_rows):
         position = Position(row=first_row + index, row_group=group)
         if suspect[index]:
@@ -117,8 +119,9 @@ def _batch_records(batch: Any, first_row: int, group: int) -> Iterator[SourceRec
             continue
         # A null in an optional column means "not given": the model's default applies.
         fields = {name: values[index] for name, values in others if values[index] is not None}
+        row_ids = {column.name: column.ids(index) for column in ids}
         try:
-            generation = _generation(fields, {column.name: column.ids(index) for column in ids})
+            generation = _generation(fields, row_ids, whole)
         except ValidationError as error:
             message = str(error)[:MAX_MESSAGE_CHARS]
             yield _rejected(batch, index, position, classify(error), message)
@@ -126,16 +129,16 @@ def _batch_records(batch: Any, first_row: int, group: int) -> Iterator[SourceRec
         yield SourceRecord(position, generation)
 
 
-def _generation(fields: dict[str, Any], ids: dict[str, list[int]]) -> LoggedGeneration:
+def _generation(fields: dict[str, Any], ids: dict[str, list[int]], whole: bool) -> LoggedGeneration:
     """The row's generation, its ids already checked by `_IdColumn`.
 
     Without logprobs, the model checks every field but the ids: validating them again element by
     element, as Python ints, cost more than parsing the same row from JSON. The checked ids go
     straight into the new instance's fields (what `model_copy(update=...)` does, at a third of
     its cost); nothing else holds the instance yet. Logprobs are checked against the ids (one
-    entry per id), so a row with them is validated whole.
+    entry per id), so a file with those columns (`whole`) is validated whole.
     """
-    if "output_logprobs" in fields or "output_top_logprobs" in fields:
+    if whole:
         if "output_top_logprobs" in fields:
             fields["output_top_logprobs"] = _pairs(fields["output_top_logprobs"])
         return LoggedGeneration.model_validate({**fields, **ids})
