@@ -4,7 +4,9 @@ The bound is what the readers and writers promise: the input is read a record ba
 the output written a row group at a time, so peak memory is the interpreter, the tokenizer, one
 batch, one decode window and the set of request ids seen (kept to refuse duplicates, ~100 bytes a
 request) — not the file. 1 GB is far above that and far below a million requests held at once.
-The run's time is printed, never asserted; `bench/bench_formats.py` measures throughput.
+The run's time is printed, never asserted; `bench/bench_formats.py` measures throughput. It is
+the one long test of the formats (the decode of a million requests: 21 minutes wall on a 2-core
+host at load average 20, where a run gets a fraction of a core), hence `slow`.
 """
 
 from __future__ import annotations
