@@ -15,13 +15,20 @@ On the local broker (`detok broker start`, or one this script starts), with real
               receives the delta covering it (p50/p99; median run of three, and the same at
               a quarter of the rate); the worker gets a core of its own, the paced producer,
               the reader and the broker share the other (`load_apart_from_worker`);
+  scale out   the 2-worker rows against the 1-worker rows (target: >= 1.0x), and the timeline of
+              the worker assigned partitions last; then a worker joining a group already running
+              at a quarter of the rate: when its first output became visible to a reader after
+              its assignment (target: <= 1 s; median of three) and its own timeline;
   memory      RSS growth of a worker per 10,000 active (started, unfinished) requests, as the
               slope between two fill levels so fixed costs (tokenizers, client buffers) cancel;
   restore     kill -9 of that worker, then the restore time its successor logs.
 
 No figure is asserted; targets are printed next to each figure as ratios measured in this run.
+`--compare-with TREE` runs another checkout's workers (e.g. `git worktree add /tmp/base <commit>`)
+beside this tree's, alternating in every rotation, so before/after figures come from one run.
 
     python -m bench.bench_e2e [--requests 20000] [--quick] [--json] [--profile DIR]
+                              [--compare-with TREE]
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +81,21 @@ COMMIT_INTERVAL_MS = 250
 LATENCY_REPEATS = 3
 # The latency phase's generator wakes this often and produces every event then due.
 PACE_TICK_S = 0.002
+# The delta reader's consume timeout: the most its receive stamps can lag (see `_read_deltas`).
+READER_WAIT_S = 0.01
+# A join run lasts at least this long, so the joining worker (seconds of start-up: tokenizers,
+# group join) joins while the load still runs.
+JOIN_RUN_S = 15.0
 # A run that takes longer than this is stuck (the full run drains in well under a minute).
 WAIT_BOUND_S = 600.0
 DEFAULT_TOKENIZERS = ("gpt2", "llama-spm", "qwen2-from-tiktoken")
 SUMMARY = re.compile(r"run summary (\{.*\})")
 RESTORED = re.compile(r"restored (\d+) requests of partitions .* in ([0-9.]+)s")
+
+
+class WorkerCrashed(RuntimeError):
+    """A worker of a measured run exited non-zero: the run has no figure (reported, not fatal
+    for a `--compare-with` tree, whose bugs are what a comparison may show)."""
 
 
 @dataclass
@@ -103,6 +121,7 @@ class WorkerRun:
     summaries: list[dict[str, Any]] = field(default_factory=list)
     redone_tokens: int = 0  # decoded beyond the workload: work redone after rebalances
     core_tokens_per_s: float | None = None  # the core measured right before this run
+    tree: str = "this"
 
     @property
     def tokens_per_s(self) -> float:
@@ -213,11 +232,34 @@ def worker_command(
     return [*command, *extra]
 
 
-def start(command: list[str], log: Path, cpus: set[int] | None = None) -> subprocess.Popen:
+@dataclass(frozen=True)
+class Tree:
+    """A checkout whose `detok worker` a run starts: this one, or `--compare-with`'s (the code
+    before a change), so before and after are measured in one run, under the same load."""
+
+    label: str
+    path: Path
+
+    def environment(self) -> dict[str, str]:
+        # Ahead of the editable install's finder, so the tree's own packages are imported.
+        return {**os.environ, "PYTHONPATH": str(self.path)}
+
+
+THIS_TREE = Tree("this", REPO_ROOT)
+
+
+def start(
+    command: list[str], log: Path, cpus: set[int] | None = None, tree: Tree = THIS_TREE
+) -> subprocess.Popen:
     handle = log.open("w")
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, preexec_fn=pin
+        command,
+        cwd=tree.path,
+        env=tree.environment(),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        preexec_fn=pin,
     )
 
 
@@ -313,6 +355,7 @@ def run_workers(
     guarantee: str,
     logs: Path,
     profile: Path | None,
+    tree: Tree = THIS_TREE,
 ) -> WorkerRun:
     label = f"{workers} worker{'s' if workers > 1 else ''}, {guarantee}"
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
@@ -332,7 +375,7 @@ def run_workers(
             "--instance-id",
             f"{prefix}-{index}",
         )
-        processes.append((start(command, log), log))
+        processes.append((start(command, log, tree=tree), log))
     profiler = None
     if profile is not None:
         profiler = attach_profiler(processes[0][0].pid, profile)
@@ -348,7 +391,7 @@ def run_workers(
         process.send_signal(signal.SIGTERM)
         code = process.wait(WAIT_BOUND_S)
         if code != 0:
-            raise RuntimeError(f"worker exited {code}; see {log}")
+            raise WorkerCrashed(f"worker exited {code}; see {log}")
         found += summaries(log)
     if profiler is not None:
         profiler.wait(60)
@@ -372,7 +415,15 @@ def run_workers(
     peak = max(s["peak_rss"] for s in found)
     drop_topics(bootstrap, names, keep=input_topic)
     return WorkerRun(
-        label, workers, guarantee, last - first, workload.generated_tokens, peak, found, redone
+        label,
+        workers,
+        guarantee,
+        last - first,
+        workload.generated_tokens,
+        peak,
+        found,
+        redone,
+        tree=tree.label,
     )
 
 
@@ -389,49 +440,74 @@ def timed_events(records: list[dict[str, Any]]) -> list[tuple[bytes, bytes, int]
 
 
 def latency_run(
-    bootstrap: str, workload: Workload, tokens_per_s: float, seconds: float, logs: Path
+    bootstrap: str,
+    workload: Workload,
+    tokens_per_s: float,
+    seconds: float,
+    logs: Path,
+    tree: Tree = THIS_TREE,
+    join: bool = False,
 ) -> dict[str, Any]:
-    """p50/p99 of produce -> committed delta, one exactly-once worker at `tokens_per_s`."""
-    prefix = f"bench-lat-{uuid.uuid4().hex[:8]}"
+    """p50/p99 of produce -> committed delta, one exactly-once worker at `tokens_per_s`.
+
+    With `join`, a second worker is started as the measured load begins and joins the running
+    group mid-load; the figures then say when its first output became visible to a reader after
+    its assignment (`join`), and the delay percentiles include the rebalance.
+    """
+    prefix = f"bench-{'join' if join else 'lat'}-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
     ensure_topics(bootstrap, names, PARTITIONS)
+    group = f"{prefix}-group"
     per_request = workload.generated_tokens / workload.requests
-    count = min(workload.requests, max(50, int(tokens_per_s * seconds / per_request)))
-    events = timed_events(workload.records[:count])
-    tokens = sum(len(r["output_token_ids"]) for r in workload.records[:count])
+    wanted = max(50, int(tokens_per_s * seconds / per_request))
+    # A join run must outlast the second worker's start-up, so it may reuse the workload's
+    # requests (under new ids); a latency run keeps to the workload, as it always did.
+    records = _cycled(workload.records, wanted) if join else workload.records[:wanted]
+    events = timed_events(records)
+    tokens = sum(len(r["output_token_ids"]) for r in records)
     events_per_s = len(events) * tokens_per_s / tokens
     log = logs / f"{prefix}.log"
-    command = worker_command(
-        bootstrap, names, f"{prefix}-group", workload.specs, "--instance-id", prefix
+    join_log = logs / f"{prefix}-joining.log"
+    command = worker_command(bootstrap, names, group, workload.specs, "--instance-id", prefix)
+    join_command = worker_command(
+        bootstrap, names, group, workload.specs, "--instance-id", f"{prefix}-joining"
     )
     received: dict[tuple[str, int], tuple[float, float]] = {}
+    arrivals: list[tuple[int, float, float]] = []  # (partition, created, seen) of each delta
+    joining = None
     with load_apart_from_worker() as worker_cpus:
-        worker = start(command, log, worker_cpus)
+        worker = start(command, log, worker_cpus, tree)
         reader_done = threading.Event()
         reader = threading.Thread(
             target=_read_deltas,
-            args=(bootstrap, names.deltas, received, reader_done),
+            args=(bootstrap, names.deltas, received, reader_done, arrivals),
             daemon=True,
         )
         reader.start()
         try:
             wait_for(lambda: "restored" in log.read_text(), "the latency worker's assignment")
-            # Warm-up, not measured: a consumer's first fetches after resume() (the worker
-            # pauses partitions while it restores) take about a second in librdkafka, and that
-            # start-up stall is the restore's cost, not the steady-state delay of the target.
+            # Warm-up, not measured: the first batches of a fresh process (caches, the first
+            # transaction, the reader's own join) are start-up, not the steady-state delay of
+            # the target.
             warm = timed_events(
                 [{**r, "request_id": f"warm-{r['request_id']}"} for r in workload.records[:20]]
             )
             _paced_produce(bootstrap, names.input, warm, events_per_s)
             warm_finals = set({k.decode(): s for k, _, s in warm}.items())
             wait_for(lambda: warm_finals <= received.keys(), "the warm-up's deltas")
+            if join:
+                # Not pinned: it stands for a worker on another machine, and pinned beside the
+                # first its start-up (loading tokenizers) would stall that one instead.
+                joining = start(join_command, join_log, None, tree)
             produced = _paced_produce(bootstrap, names.input, events, events_per_s)
             finals = set({k.decode(): s for k, _, s in events}.items())  # the finish: last seq
             wait_for(lambda: finals <= received.keys(), "every request's final delta", bound_s=120)
         finally:
             reader_done.set()
-            worker.send_signal(signal.SIGTERM)
-            worker.wait(60)
+            for process in (worker, joining):
+                if process is not None:
+                    process.send_signal(signal.SIGTERM)
+                    process.wait(60)
     visible, worker_side = [], []
     for (request_id, seq), at in produced.items():
         if seq == 0:
@@ -440,7 +516,8 @@ def latency_run(
         visible.append(seen - at)
         worker_side.append(created - at)
     drop_topics(bootstrap, names)
-    return {
+    result = {
+        "tree": tree.label,
         "events_per_s": events_per_s,
         "tokens_per_s": tokens_per_s,
         "events": len(events),
@@ -448,6 +525,56 @@ def latency_run(
         "p99_ms": 1000 * _quantile(visible, 0.99),
         "worker_p50_ms": 1000 * _quantile(worker_side, 0.5),
         "worker_p99_ms": 1000 * _quantile(worker_side, 0.99),
+    }
+    if join:
+        result["join"] = joining_worker(join_log, arrivals)
+    return result
+
+
+def _cycled(records: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """`count` requests from `records`, repeated under new ids once they run out."""
+    out = records[:count]
+    while len(out) < count:
+        lap = len(out) // len(records)
+        out += [
+            {**r, "request_id": f"{r['request_id']}-{lap}"} for r in records[: count - len(out)]
+        ]
+    return out
+
+
+ASSIGNED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO detok\.worker\[\d+\]: "
+    r"assigned partitions \[(\d[\d, ]*)\]$",
+    re.MULTILINE,
+)
+
+
+def joining_worker(log: Path, arrivals: list[tuple[int, float, float]]) -> dict[str, Any]:
+    """When the joining worker's first output became visible, from outside: the first delta a
+    read_committed reader received on one of the partitions the worker was assigned, produced
+    after that assignment (the partition's deltas from before were committed by the worker that
+    gave it up, in its revoke). Works for any tree: the assignment time is the worker's
+    `assigned partitions` log line, which every version writes. The worker's own timeline (from
+    its run summary) is added where the tree has one."""
+    text = log.read_text()
+    found = ASSIGNED.search(text)
+    if found is None:
+        return {"assigned": False}
+    assigned_at = datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    partitions = {int(p) for p in found.group(2).split(",")}
+    after = [
+        (seen, created)
+        for partition, created, seen in arrivals
+        if partition in partitions and created >= assigned_at
+    ]
+    first = min(after, default=None)
+    runs = summaries(log)
+    return {
+        "assigned": True,
+        "partitions": sorted(partitions),
+        "first_visible_s": None if first is None else first[0] - assigned_at,
+        "first_produced_s": None if first is None else first[1] - assigned_at,
+        "timeline": runs[0].get("timeline") if runs else None,
     }
 
 
@@ -468,6 +595,7 @@ def _read_deltas(
     topic: str,
     received: dict[tuple[str, int], tuple[float, float]],
     done: threading.Event,
+    arrivals: list[tuple[int, float, float]],
 ) -> None:
     """(receive time, produce time) of each delta, keyed by (request, seq_end); read_committed,
     low fetch wait, so the reader's own polling adds a few milliseconds at most. The produce time
@@ -484,13 +612,17 @@ def _read_deltas(
     consumer.subscribe([topic])
     try:
         while not done.is_set():
-            for message in consumer.consume(1000, 0.05):
+            # consume() returns when its batch is full or its timeout ends, and every message of
+            # the batch is stamped when it returns: at low rates a 50 ms timeout stamped deltas up
+            # to 50 ms late. 10 ms keeps that error small for a few wake-ups more a second.
+            for message in consumer.consume(1000, READER_WAIT_S):
                 if message.error():
                     continue
                 now = time.time()
                 delta = json.loads(message.value())
                 created = message.timestamp()[1] / 1000
                 received[(delta["request_id"], delta["seq_end"])] = (now, created)
+                arrivals.append((message.partition(), created, now))
     finally:
         consumer.close()
 
@@ -635,6 +767,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-seconds", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each e2e variant")
     parser.add_argument("--profile", type=Path, help="py-spy the 1-worker exactly-once run here")
+    parser.add_argument(
+        "--compare-with",
+        type=Path,
+        metavar="TREE",
+        help="another checkout (e.g. `git worktree add /tmp/base <commit>`) whose workers run "
+        "beside this tree's in the same rotation: before/after figures from one run",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -646,6 +785,9 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="detok-e2e-"))
     note = _note(args.json)
+    trees = [THIS_TREE]
+    if args.compare_with is not None:
+        trees.append(Tree("base", args.compare_with.resolve()))
 
     workload = build_workload(args.shared_dir, args.tokenizers.split(","), args.requests, cache)
     note(f"workload: {workload.requests} requests, {workload.generated_tokens} generated tokens")
@@ -662,47 +804,76 @@ def main(argv: list[str] | None = None) -> int:
     note(f"replay: {totals.events} events in {replay_s:.1f}s")
 
     # Each variant runs `--repeats` times in rotating order (the broker's page cache and
-    # compaction make the first run of a series slower); the best run of each is reported.
+    # compaction make the first run of a series slower), each tree in turn (the order flips
+    # every repeat); the best run of each is reported.
     variants = [(w, g) for g in ("exactly-once", "at-least-once") for w in (1, 2)]
-    best: dict[tuple[int, str], WorkerRun] = {}
+    best: dict[tuple[str, int, str], WorkerRun] = {}
+    crashes: dict[str, int] = {}
     cores = [core_alone]
     for repeat in range(args.repeats):
         for workers, guarantee in variants[repeat % 4 :] + variants[: repeat % 4]:
-            profile = None
-            paired_core = None
-            if (workers, guarantee) == (1, "exactly-once"):
-                paired_core = core.throughput()
-                cores.append(paired_core)
-                if args.profile and repeat == 0:
-                    args.profile.mkdir(parents=True, exist_ok=True)
-                    profile = args.profile / "worker-eos.raw"
-            run = run_workers(bootstrap, workload, input_topic, workers, guarantee, logs, profile)
-            run.core_tokens_per_s = paired_core
-            paired = f", core just before: {paired_core:,.0f}" if paired_core else ""
-            note(f"{run.label}: {run.tokens_per_s:,.0f} tokens/s ({run.seconds:.2f}s{paired})")
-            key = (workers, guarantee)
-            if key not in best or run.tokens_per_s > best[key].tokens_per_s:
-                best[key] = run
-    runs = [best[key] for key in variants]
+            for tree in _in_turn(trees, repeat):
+                profile = None
+                paired_core = None
+                if (tree, workers, guarantee) == (THIS_TREE, 1, "exactly-once"):
+                    paired_core = core.throughput()
+                    cores.append(paired_core)
+                    if args.profile and repeat == 0:
+                        args.profile.mkdir(parents=True, exist_ok=True)
+                        profile = args.profile / "worker-eos.raw"
+                try:
+                    run = run_workers(
+                        bootstrap, workload, input_topic, workers, guarantee, logs, profile, tree
+                    )
+                except WorkerCrashed as crash:
+                    if tree == THIS_TREE:
+                        raise
+                    note(f"{tree.label}: {workers} worker(s), {guarantee}: {crash}")
+                    crashes[tree.label] = crashes.get(tree.label, 0) + 1
+                    continue
+                run.core_tokens_per_s = paired_core
+                paired = f", core just before: {paired_core:,.0f}" if paired_core else ""
+                note(
+                    f"{tree.label}: {run.label}: {run.tokens_per_s:,.0f} tokens/s "
+                    f"({run.seconds:.2f}s{paired})"
+                )
+                key = (tree.label, workers, guarantee)
+                if key not in best or run.tokens_per_s > best[key].tokens_per_s:
+                    best[key] = run
+    runs = [best[key] for tree in trees for v in variants if (key := (tree.label, *v)) in best]
     # The core's parsed events are 100s of MB of Python objects; freed, this process's paced
     # producer and delta reader (on the same 2 cores as the worker under test) run leaner.
     del core
     eos1 = runs[0]
     alos1 = runs[2]
-    # The target is at half the maximum; a quarter shows whether a miss is load or floor.
-    # Each rate runs LATENCY_REPEATS times and the run with the median p99 is reported (all
-    # p99s alongside): on this shared machine one host-side stall of a second within an 8 s run
-    # sets that run's p99, and a median is not decided by one such stall.
+    # The target is at half the maximum and at a quarter (this tree's one-worker rate; every
+    # tree is measured at the same rates). Each rate runs LATENCY_REPEATS times per tree and
+    # the run with the median p99 is reported (all p99s alongside): on this shared machine one
+    # host-side stall of a second within an 8 s run sets that run's p99, and a median is not
+    # decided by one such stall.
     latencies = []
     for share in (0.5, 0.25):
         rate = eos1.tokens_per_s * share
-        repeats = []
-        for _ in range(LATENCY_REPEATS):
-            repeats.append(latency_run(bootstrap, workload, rate, args.latency_seconds, logs))
-            note(f"delay at {rate:,.0f} tok/s: p99 {repeats[-1]['p99_ms']:.0f} ms")
-        repeats.sort(key=lambda run: run["p99_ms"])
-        latency = repeats[len(repeats) // 2]
-        latencies.append({**latency, "p99_runs_ms": [run["p99_ms"] for run in repeats]})
+        repeats: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
+        for repeat in range(LATENCY_REPEATS):
+            for tree in _in_turn(trees, repeat):
+                run = latency_run(bootstrap, workload, rate, args.latency_seconds, logs, tree)
+                repeats[tree.label].append(run)
+                note(f"{tree.label}: delay at {rate:,.0f} tok/s: p99 {run['p99_ms']:.0f} ms")
+        latencies.append(
+            {"share": share, **{label: _median_p99(r) for label, r in repeats.items()}}
+        )
+    # A worker joining the running group at a quarter of the rate, LATENCY_REPEATS times.
+    join_rate = eos1.tokens_per_s * 0.25
+    joins: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
+    for repeat in range(LATENCY_REPEATS):
+        for tree in _in_turn(trees, repeat):
+            seconds = max(args.latency_seconds, JOIN_RUN_S)
+            run = latency_run(bootstrap, workload, join_rate, seconds, logs, tree, join=True)
+            joins[tree.label].append(run)
+            first = run["join"].get("first_visible_s")
+            shown = "never" if first is None else f"{first:.2f} s"
+            note(f"{tree.label}: joining worker's first output {shown} after its assignment")
     memory = memory_and_restore(bootstrap, workload, args.active, logs)
     delete_topics(bootstrap, [input_topic])
 
@@ -716,11 +887,14 @@ def main(argv: list[str] | None = None) -> int:
             "tokenizers": args.tokenizers.split(","),
             "replay_s": replay_s,
         },
+        "trees": {tree.label: str(tree.path) for tree in trees},
+        "crashed_runs": crashes,
         "core_tokens_per_s": statistics.median(cores),
         "core_runs_tokens_per_s": cores,
         "core_with_parse_tokens_per_s": core_with_parse,
         "runs": [
             {
+                "tree": r.tree,
                 "label": r.label,
                 "workers": r.workers,
                 "guarantee": r.guarantee,
@@ -730,12 +904,17 @@ def main(argv: list[str] | None = None) -> int:
                 "core_paired": r.core_tokens_per_s is not None,
                 "peak_rss": r.peak_rss,
                 "redone_tokens": r.redone_tokens,
+                "joining_timeline": joining_timeline(r.summaries),
             }
             for r in runs
         ],
         "worker_time_shares": eos1.time_shares(),
         "exactly_once_cost": 1 - eos1.tokens_per_s / alos1.tokens_per_s,
         "latency": latencies,
+        "join": {
+            "tokens_per_s": join_rate,
+            **{label: _median_join(r) for label, r in joins.items()},
+        },
         "memory": memory,
         "commit_interval_ms": COMMIT_INTERVAL_MS,
         "logs": str(logs),
@@ -750,6 +929,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _in_turn(trees: list[Tree], repeat: int) -> list[Tree]:
+    """The trees in the order of this repeat: flipped every other one, so neither tree always
+    runs first (right after the replay, or after the other's runs warmed the broker)."""
+    return trees if repeat % 2 == 0 else trees[::-1]
+
+
+def _median_p99(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(runs, key=lambda run: run["p99_ms"])
+    return {**ordered[len(ordered) // 2], "p99_runs_ms": [run["p99_ms"] for run in ordered]}
+
+
+def _median_join(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median time to the joining worker's first visible output (a run in
+    which it never produced output counts as the slowest)."""
+
+    def first(run: dict[str, Any]) -> float:
+        value = run["join"].get("first_visible_s")
+        return float("inf") if value is None else value
+
+    ordered = sorted(runs, key=first)
+    return {
+        **ordered[len(ordered) // 2],
+        "first_visible_runs_s": [run["join"].get("first_visible_s") for run in ordered],
+        "p99_runs_ms": [run["p99_ms"] for run in ordered],
+    }
+
+
+def joining_timeline(found: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Of a multi-worker run, the timeline of the worker assigned partitions last (the one that
+    joined a group already running); None for one worker or a tree without timelines."""
+    timed = [s["timeline"] for s in found if s.get("timeline") and s["timeline"]["assignments"]]
+    if len(found) < 2 or not timed:
+        return None
+    return max(timed, key=lambda t: t["process_started_at"] + t["assignments"][0]["since_start_s"])
+
+
 def _note(quiet: bool) -> Any:
     def note(message: str) -> None:
         print(f"# {message}", file=sys.stderr if quiet else sys.stdout, flush=True)
@@ -760,10 +975,12 @@ def _note(quiet: bool) -> Any:
 def print_table(report: dict[str, Any]) -> None:
     core = report["core_tokens_per_s"]
     cores = report["core_runs_tokens_per_s"]
-    eos1 = report["runs"][0]
+    runs = {(r["tree"], r["workers"], r["guarantee"]): r for r in report["runs"]}
+    eos1 = runs[("this", 1, "exactly-once")]
     memory = report["memory"]
     interval = report["commit_interval_ms"]
     shares = report["worker_time_shares"]
+    base = "base" in report["trees"]
     rows = [
         (
             "in-process core (processor, no Kafka)",
@@ -779,15 +996,39 @@ def print_table(report: dict[str, Any]) -> None:
         ),
     ]
     for run in report["runs"]:
+        if run["tree"] != "this":
+            continue
         of_core = "of the core just before" if run["core_paired"] else "of the median core"
+        before = runs.get(("base", run["workers"], run["guarantee"]))
         rows.append(
             (
                 run["label"],
                 f"{run['tokens_per_s']:,.0f} tok/s",
-                f"{run['vs_core']:.0%} {of_core}, {run['seconds']:.2f}s",
+                f"{run['vs_core']:.0%} {of_core}, {run['seconds']:.2f}s"
+                + (f"; base {before['tokens_per_s']:,.0f} tok/s" if before else ""),
                 f"peak RSS {run['peak_rss'] / 2**20:.0f} MB",
             )
         )
+    for guarantee in ("exactly-once", "at-least-once"):
+        for tree in ("this", "base") if base else ("this",):
+            two, one = runs.get((tree, 2, guarantee)), runs.get((tree, 1, guarantee))
+            if two is None or one is None:
+                crashed = report["crashed_runs"].get(tree, 0)
+                rows.append((f"{tree}: 2 workers vs 1, {guarantee}", "no run", "", ""))
+                rows.append((f"  {tree}: runs whose worker crashed", str(crashed), "", ""))
+                continue
+            ratio = two["tokens_per_s"] / one["tokens_per_s"]
+            rows.append(
+                (
+                    f"{tree}: 2 workers vs 1, {guarantee}",
+                    f"{ratio:.2f}x ({two['seconds']:.2f}s vs {one['seconds']:.2f}s)",
+                    ">= 1.0x",
+                    _ok(ratio >= 1.0) if tree == "this" else "",
+                )
+            )
+    timeline = runs[("this", 2, "exactly-once")]["joining_timeline"]
+    if timeline:
+        rows.append(("  2 workers EOS: the later one", _timeline(timeline), "", ""))
     rows += [
         (
             "  1 worker EOS: its wall time",
@@ -807,19 +1048,42 @@ def print_table(report: dict[str, Any]) -> None:
             "<= 15%",
             _ok(report["exactly_once_cost"] <= 0.15),
         ),
-        *(
-            (
-                f"delay at {latency['tokens_per_s']:,.0f} tok/s ({share} max)",
-                f"p50 {latency['p50_ms']:.0f} ms / p99 {latency['p99_ms']:.0f} ms "
-                f"(worker-side p99 {latency['worker_p99_ms']:.0f} ms; p99 of the "
-                f"{len(latency['p99_runs_ms'])} runs: "
-                + ", ".join(f"{p99:.0f}" for p99 in latency["p99_runs_ms"])
-                + ")",
-                f"p99 <= {3 * interval} ms",
-                _ok(latency["p99_ms"] <= 3 * interval) if share == "1/2" else "",
+    ]
+    for share, latency in zip(("1/2", "1/4"), report["latency"], strict=True):
+        for tree in ("this", "base") if base else ("this",):
+            figures = latency[tree]
+            rows.append(
+                (
+                    f"{tree}: delay at {figures['tokens_per_s']:,.0f} tok/s ({share} max)",
+                    f"p50 {figures['p50_ms']:.0f} ms / p99 {figures['p99_ms']:.0f} ms "
+                    f"(worker-side p99 {figures['worker_p99_ms']:.0f} ms; p99 of the "
+                    f"{len(figures['p99_runs_ms'])} runs: "
+                    + ", ".join(f"{p99:.0f}" for p99 in figures["p99_runs_ms"])
+                    + ")",
+                    f"p99 <= {3 * interval} ms",
+                    _ok(figures["p99_ms"] <= 3 * interval) if tree == "this" else "",
+                )
             )
-            for share, latency in zip(("1/2", "1/4"), report["latency"], strict=True)
-        ),
+    join = report["join"]
+    for tree in ("this", "base") if base else ("this",):
+        figures = join[tree]
+        firsts = ", ".join(
+            "never" if first is None else f"{first:.2f}"
+            for first in figures["first_visible_runs_s"]
+        )
+        first = figures["join"].get("first_visible_s")
+        rows.append(
+            (
+                f"{tree}: worker joining at {join['tokens_per_s']:,.0f} tok/s",
+                f"first output seen {'never' if first is None else f'{first:.2f} s'} after its "
+                f"assignment (runs: {firsts} s); delay p99 {figures['p99_ms']:.0f} ms",
+                "<= 1 s",
+                _ok(first is not None and first <= 1.0) if tree == "this" else "",
+            )
+        )
+        if figures["join"].get("timeline"):
+            rows.append(("  its timeline", _timeline(figures["join"]["timeline"]), "", ""))
+    rows += [
         (
             f"memory per active request ({memory['active_requests']:,} active)",
             f"{memory['bytes_per_active_request']:,.0f} B "
@@ -841,6 +1105,17 @@ def print_table(report: dict[str, Any]) -> None:
         print("\nhottest frames (self time) of the 1-worker exactly-once run:")
         for share, frame in report["profile_top_self"]:
             print(f"  {share:6.1%}  {frame}")
+
+
+def _timeline(timeline: dict[str, Any]) -> str:
+    """One worker's phases: after process start, then after its first assignment."""
+    since_start = [f"{phase} +{at:.2f}" for phase, at in timeline["since_start_s"].items()]
+    if not timeline["assignments"]:
+        return "s after start: " + ", ".join(since_start)
+    first = timeline["assignments"][0]
+    since_start.append(f"assigned {first['partitions']} +{first['since_start_s']:.2f}")
+    after = [f"{phase} +{at:.2f}" for phase, at in first["since_assignment_s"].items()]
+    return "s after start: " + ", ".join(since_start) + "; s after that: " + ", ".join(after)
 
 
 def _ok(passed: bool) -> str:

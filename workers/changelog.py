@@ -45,7 +45,8 @@ METADATA_TIMEOUT_S = 10.0
 
 
 class RestoreInterrupted(Exception):
-    """A stop was requested while restoring; the partitions stay paused and unrestored."""
+    """A stop was requested while restoring; the partitions stay unrestored, and none of their
+    records is handled."""
 
 
 def changelog_record(

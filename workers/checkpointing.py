@@ -152,6 +152,10 @@ class CommitStrategy(Protocol):
         ...
 
     def settle(self) -> CommitOutcome | None: ...
+    def committing(self) -> bool:
+        """True while the last commit is still under way (`settle` would wait for it)."""
+        ...
+
     def abort(self) -> None: ...
     def close(self) -> None: ...
 
@@ -229,6 +233,9 @@ class ExactlyOnce:
         if outcome.rollback:
             self.abort()
         return outcome
+
+    def committing(self) -> bool:
+        return self._in_flight is not None and not self._in_flight.done()
 
     def abort(self) -> None:
         """Discard the open transaction's records and open the next one."""
@@ -375,6 +382,9 @@ class AtLeastOnce:
 
     def settle(self) -> CommitOutcome | None:
         return None  # every commit finished before `commit` returned
+
+    def committing(self) -> bool:
+        return False
 
     def abort(self) -> None:
         """Nothing to discard: what was delivered stays, as duplicates at-least-once allows."""

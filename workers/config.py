@@ -46,6 +46,14 @@ class WorkerSettings(BaseSettings):
     # from librdkafka's own thread is never silent that long unless dead, and 10 s bounds the
     # stall a kill -9 causes.
     session_timeout_ms: int = Field(10_000, ge=1000, le=300_000)
+    # Static group membership (KIP-345): the consumer joins as `group.instance.id` =
+    # `instance_id`. A member that restarts with the same id within the session timeout gets its
+    # partitions back without a rebalance (no revoke, no restore elsewhere, the other members
+    # never pause); the price is that a member that is gone for good (or only stopping: a static
+    # member does not leave the group on close) holds its partitions, unconsumed, until the
+    # session timeout ends. Worth it with a stable `instance_id` per replica (a StatefulSet's pod
+    # name) and restarts faster than the session timeout; pointless with a random id.
+    static_membership: bool = False
     # Upper bound on records per consume call: big enough to amortise the per-batch decode round
     # and Python overhead, small enough that one batch takes milliseconds.
     max_batch: int = Field(2000, ge=1, le=100_000)

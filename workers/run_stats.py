@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import resource
 from dataclasses import dataclass
+from typing import Any
 
 
 def current_rss_bytes() -> int:
@@ -57,7 +58,7 @@ class RunStats:
     slowest_handle_s: float = 0.0
     slowest_commit_s: float = 0.0
 
-    def summary(self, active_requests: int) -> str:
+    def summary(self, active_requests: int, timeline: dict[str, Any] | None = None) -> str:
         return json.dumps(
             {
                 "first_consume_at": self.first_consume_at,
@@ -78,5 +79,6 @@ class RunStats:
                 "rss_at_exit": current_rss_bytes(),
                 "peak_rss": peak_rss_bytes(),
                 "active_requests": active_requests,
+                "timeline": timeline,
             }
         )

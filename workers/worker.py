@@ -58,6 +58,7 @@ from workers.process_policy import StopRequest
 from workers.prometheus import PrometheusMetrics
 from workers.record_handling import handle_batch, unexpected
 from workers.run_stats import RunStats, current_rss_bytes
+from workers.timeline import Timeline
 
 log = logging.getLogger("detok.worker")
 
@@ -67,9 +68,18 @@ KAFKA_TIMEOUT_S = 30.0
 # Longest wait for a consume batch to fill: long enough that a busy input gives full batches
 # (one decode round amortised over max_batch events), short enough to notice signals promptly.
 CONSUME_WAIT_S = 0.1
+# How long a consume waits while a due commit waits for the previous transaction to end.
+SETTLE_POLL_S = 0.005
 # The input fetch: see `_consumer_settings`.
 FETCH_MIN_BYTES = 100_000
 FETCH_WAIT_MAX_MS = 50
+# How soon a member learns that the group rebalances (a worker joined or left): in the classic
+# group protocol a member hears of it only in its next heartbeat's answer, and a cooperative
+# rebalance takes two rounds, each waiting for every member to notice. At a tenth of the 10 s
+# session timeout (1 s) each notice could take a second; 200 ms bounds it, for five small
+# requests a second per worker to the group coordinator. (librdkafka still sends a member's
+# JoinGroup at most once a second, so a joining worker's two rounds take about a second.)
+REBALANCE_NOTICE_MS = 200
 # TTL sweeps walk every request; once a second is plenty for TTLs measured in minutes.
 EXPIRE_INTERVAL_S = 1.0
 # Requests one sweep may end. Each expiry is a completion, a dead letter and a snapshot, all in
@@ -119,6 +129,10 @@ class Worker:
         self._commit_on_revoke = True
         self._fatal: FatalWorkerError | None = None  # met in a callback, raised by the loop
         self.stats = RunStats()
+        self.timeline = Timeline()
+        # The input partitions of the commit whose outcome `_take` gets next (one is in flight
+        # at most): what the timeline's "first commit" of an assignment is told about.
+        self._committing: list[int] = []
         self.consumer: Consumer = make_consumer(self.connection, self._consumer_settings())
         self.producer = make_producer(self.connection, self._producer_settings())
         self.writer = OutputWriter(
@@ -130,11 +144,13 @@ class Worker:
             group=settings.group,
             instance_id=settings.instance_id,
         )
+        self.timeline.mark("worker built")
 
     # -- configuration ------------------------------------------------------------------------
 
     def _consumer_settings(self) -> dict[str, Any]:
         return {
+            **self._membership_settings(),
             "group.id": self.settings.group,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
@@ -142,7 +158,9 @@ class Worker:
             "partition.assignment.strategy": "cooperative-sticky",
             "enable.partition.eof": True,
             "session.timeout.ms": self.settings.session_timeout_ms,
-            "heartbeat.interval.ms": max(self.settings.session_timeout_ms // 10, 100),
+            "heartbeat.interval.ms": min(
+                self.settings.session_timeout_ms // 10, REBALANCE_NOTICE_MS
+            ),
             # librdkafka pre-fetches up to this much per partition. 16 MB is several seconds of
             # input at full speed (events are ~150 bytes), so the decode loop never starves,
             # while 8 partitions at the old 64 MB each let the prefetch alone add ~200 MB of RSS.
@@ -158,6 +176,18 @@ class Worker:
             "statistics.interval.ms": 5000,
             "stats_cb": self.metrics.consumer_statistics,
         }
+
+    def _membership_settings(self) -> dict[str, Any]:
+        """Static membership (see `WorkerSettings.static_membership`): nothing when off."""
+        if not self.settings.static_membership:
+            return {}
+        if "instance_id" not in self.settings.model_fields_set:
+            log.warning(
+                "static membership with a random instance id: a restarted worker joins as a new "
+                "member, and its old id holds its partitions until the session timeout; "
+                "give each replica a stable --instance-id"
+            )
+        return {"group.instance.id": self.settings.instance_id}
 
     def _producer_settings(self) -> dict[str, Any]:
         return {
@@ -180,12 +210,14 @@ class Worker:
         """Process until stopped by a signal, by `exit_when_idle_s`, or by a fatal error."""
         try:
             self.strategy.start(self.producer)
+            self.timeline.mark("producer ready")
             self.consumer.subscribe(
                 [self.topics.input],
                 on_assign=self._on_assign,
                 on_revoke=self._on_revoke,
                 on_lost=self._on_lost,
             )
+            self.timeline.mark("subscribed")
             while self.running and not self.stop.requested:
                 self._step()
             self.commit()
@@ -195,7 +227,10 @@ class Worker:
             self._close(abort=True)
             return 1
         self._close(abort=False)
-        log.info("run summary %s", self.stats.summary(self.processor.active_requests))
+        log.info(
+            "run summary %s",
+            self.stats.summary(self.processor.active_requests, self.timeline.summary()),
+        )
         return 0
 
     def _stopping(self) -> None:
@@ -220,9 +255,15 @@ class Worker:
 
     def _missing_topics(self) -> str:
         """Name a pipeline topic that is gone: a deleted output topic otherwise surfaces as a
-        transaction error whose text blames fencing or timeouts."""
+        transaction error whose text blames fencing or timeouts.
+
+        Asked through the producer: this runs in the consumer's revoke and lost callbacks too (a
+        rollback there), and the consumer's own `list_topics` inside its callback aborts the
+        process (confluent-kafka's `CallState_get: Assertion cs != NULL`; seen in the 2-worker
+        bench when a rebalance aborted a transaction).
+        """
         try:
-            metadata = self.consumer.list_topics(timeout=self.deadline.remaining(5.0))
+            metadata = self.producer.list_topics(timeout=self.deadline.remaining(5.0))
         except KafkaException:
             return ""
         missing = [t for t in self.topics.model_dump().values() if t not in metadata.topics]
@@ -235,18 +276,22 @@ class Worker:
     def _step(self) -> None:
         if self._fatal is not None:
             raise self._fatal
-        if self.restoring:
-            self._restore()
         # consume() waits until the batch is full or the timeout ends; never past the commit
         # deadline, or at moderate rates every commit (and so every delta) comes up to a whole
-        # wait late.
+        # wait late. A commit that is due while the previous transaction is still committing
+        # waits for it here, decoding on, instead of in `settle`: under load a transaction took
+        # up to 3 s, and the loop that waited for it let that much input queue up behind it.
         due_in = self.settings.commit_interval_ms / 1000 - (
             time.monotonic() - self.checkpoint.started_at
         )
+        if due_in <= 0 and self.strategy.committing():
+            due_in = SETTLE_POLL_S  # not 0: that would spin until the transaction ends
         consume_started = time.perf_counter()
         messages = self.consumer.consume(
             self.settings.max_batch, min(CONSUME_WAIT_S, max(due_in, 0.0))
         )
+        if self.restoring:
+            messages = self._restore_before_handling(messages)
         now = time.time()
         if messages:
             handle_started = time.perf_counter()
@@ -260,7 +305,7 @@ class Worker:
             self.last_expire_at = time.monotonic()
             self._emit(self.processor.expire(self.ttl_reference(now), limit=EXPIRE_LIMIT))
         elapsed_ms = (time.monotonic() - self.checkpoint.started_at) * 1000
-        if elapsed_ms >= self.settings.commit_interval_ms:
+        if elapsed_ms >= self.settings.commit_interval_ms and not self.strategy.committing():
             self.commit(wait=False)
         self.producer.poll(0)
         if self._idle_long_enough():
@@ -322,6 +367,7 @@ class Worker:
         processed_in = time.perf_counter() - started
         self.stats.process_s += processed_in
         self.checkpoint.offsets.update(handled.next_offsets)
+        self.timeline.mark_partitions("first records", handled.next_offsets)
         for partition, seconds in handled.newest_timestamp.items():
             if seconds > self.newest_timestamp.get(partition, float("-inf")):
                 self.newest_timestamp[partition] = seconds
@@ -407,6 +453,7 @@ class Worker:
             for partition, offset in sorted(checkpoint.offsets.items())
         ]
         self.checkpoint = Checkpoint.fresh()
+        self._committing = list(checkpoint.offsets)
         outcome = self.strategy.commit(self.consumer, offsets, checkpoint.decoded_tokens)
         self.stats.commit_s += time.perf_counter() - started
         if outcome is None and wait:
@@ -420,6 +467,7 @@ class Worker:
         if outcome.committed:
             self.stats.commits += 1
             self.stats.last_commit_at = outcome.finished_at
+            self.timeline.mark_partitions("first commit", self._committing, outcome.finished_at)
         else:
             self.stats.aborted_commits += 1
             moved = any(p not in self.assigned for p in outcome.refused_offsets)
@@ -501,6 +549,7 @@ class Worker:
         consumer.incremental_assign(partitions)
         numbers = [tp.partition for tp in partitions]
         log.info("assigned partitions %s", numbers)
+        self.timeline.assigned(numbers)
         self.assigned.update(numbers)
         self._begin_restore(numbers)
         self.metrics.rebalances.labels(event="assign").inc()
@@ -562,19 +611,37 @@ class Worker:
             self.newest_timestamp.pop(partition, None)
 
     def _begin_restore(self, partitions: Iterable[int]) -> None:
-        numbers = list(partitions)
-        self.consumer.pause([TopicPartition(self.topics.input, p) for p in numbers])
-        self.restoring.update(numbers)
+        """Mark partitions whose state must be restored before any of their records is handled.
+
+        They are not paused: librdkafka fetches their input (the committed-offset lookup, the
+        first fetch) while the loop reads the changelog, and `_restore_before_handling` restores
+        them before the batch that holds their first records is handled. Pausing them instead
+        cost up to a second per assignment: librdkafka's broker thread acts on a resume only
+        when it next wakes, which with no fetch in flight is its 1 s idle tick (seen in its
+        debug log: resume at t, first fetch decision at t + 0.98 s; confluent-kafka-go#630).
+        """
+        self.restoring.update(partitions)
         self.metrics.partitions_restoring.set(len(self.restoring))
 
+    def _restore_before_handling(self, messages: list[Message]) -> list[Message]:
+        """Restore the partitions assigned (or rolled back) during the last consume, then pass
+        on the batch; records of partitions left unrestored (a stop during the restore) are
+        dropped, never handled without their state: uncommitted, they are consumed again by
+        whoever owns the partition next."""
+        self._restore()
+        if not self.restoring:
+            return messages
+        return [m for m in messages if m.partition() not in self.restoring]
+
     def _restore(self) -> None:
-        """Rebuild the state of the restoring partitions from the changelog, then resume them.
+        """Rebuild the state of the restoring partitions from the changelog.
 
         Guarded per changelog record (workers/changelog.py): a record that cannot be restored
         fails its request, goes to the dead-letter topic, and is counted; the rest restore.
         """
         started = time.perf_counter()
         partitions = sorted(self.restoring)
+        self.timeline.mark_partitions("restore started", partitions)
         committed_input = None
         if self.strategy.restore_skips_ahead_of_commit:
             committed_input = {tp.partition: tp.offset for tp in self._committed(partitions)}
@@ -597,7 +664,7 @@ class Worker:
                 self.checkpoint.dirty.add(letter.request_id)
         self.metrics.changelog_records_skipped.inc(len(restored.failed))
         self.restoring.difference_update(partitions)
-        self.consumer.resume([TopicPartition(self.topics.input, p) for p in partitions])
+        self.timeline.mark_partitions("restored", partitions)
         self.metrics.observe_restore(time.perf_counter() - started, len(self.restoring))
         self.metrics.active_requests.set(self.processor.active_requests)
         log.info(

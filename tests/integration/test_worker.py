@@ -101,11 +101,13 @@ def test_a_worker_joining_and_one_leaving_change_nothing(
     group = unique_name("g")
     producer = paced_replay(kafka_bootstrap, source, names.input, rate=80.0)
     first = start_worker(kafka_bootstrap, names, group, instance_id="first", log_dir=tmp_path)
-    time.sleep(3)
+    # Each step waits for the worker's own log, not a fixed time: on a loaded machine loading
+    # the tokenizers alone took over 7 s, and a SIGTERM before the worker runs ends it with -15.
+    _wait_for_log(tmp_path, "first", "restored")
     second = start_worker(
         kafka_bootstrap, names, group, instance_id="second", extra=IDLE_EXIT, log_dir=tmp_path
     )
-    time.sleep(4)
+    _wait_for_log(tmp_path, "second", "restored")  # it joined and holds partitions
     assert stop(first) == 0  # leaves the group cleanly: its partitions move to `second`
     producer.join()
     assert wait_exit(second) == 0
@@ -279,3 +281,11 @@ def test_poison_input_is_dead_lettered_with_headers_and_the_rest_completes(
         "request_already_failed",
         "ttl_expired",
     }
+
+
+def _wait_for_log(log_dir: Path, instance_id: str, text: str) -> None:
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while not any(text in log.read_text() for log in log_dir.glob(f"worker-{instance_id}-*.log")):
+        if time.monotonic() > deadline:
+            pytest.fail(f"worker {instance_id} did not log {text!r} within the wait bound")
+        time.sleep(0.1)

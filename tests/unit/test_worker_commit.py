@@ -14,6 +14,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from pipeline.tokenizer_registry import TokenizerRegistry
+from tests.unit.fake_records import FakeMessage
 from tests.unit.small_tokenizers import byte_level
 from workers.checkpointing import AtLeastOnce, CommitOutcome, Deadline
 from workers.config import WorkerSettings
@@ -67,6 +68,9 @@ class RecordingStrategy:
 
     def settle(self) -> None:
         return None
+
+    def committing(self) -> bool:
+        return False
 
     def abort(self) -> None:
         pass
@@ -129,3 +133,50 @@ def test_ttl_clock_is_record_time_until_a_partition_is_caught_up(worker) -> None
     assert reference("caught-up") == 5000.0  # nothing waits for it: wall clock
     assert reference("behind") == 1000.0  # its events may be in the backlog: record time
     assert reference("not-read-yet") == float("-inf")  # no clock until a record is read
+
+
+def test_static_membership_joins_under_the_instance_id(tmp_path: Path) -> None:
+    """Off, the consumer has no group.instance.id (librdkafka's dynamic membership); on, it is
+    the worker's instance id, so a restarted replica rejoins as the same member."""
+    path = tmp_path / "tokenizer.json"
+    byte_level().save(str(path))
+    registry = TokenizerRegistry()
+    registry.register("bytes", path)
+    limits = OutputLimits({name: 1_048_588 for name in TopicNames().model_dump().values()})
+    for static in (False, True):
+        settings = WorkerSettings(
+            bootstrap_servers="127.0.0.1:9",
+            tokenizers=[f"bytes={path}"],
+            instance_id="replica-0",
+            static_membership=static,
+        )
+        worker = Worker(settings, registry, PrometheusMetrics(["bytes"], registry=None), limits)
+        try:
+            membership = worker._membership_settings()
+        finally:
+            worker.consumer.close()
+            worker.strategy.close()
+        assert membership == ({"group.instance.id": "replica-0"} if static else {})
+
+
+def test_a_batch_is_handled_only_after_its_partitions_are_restored(worker, monkeypatch) -> None:
+    """New partitions are not paused while they restore (their input is fetched meanwhile), so
+    the batch that brought their first records waits for the restore; records of partitions a
+    stop left unrestored are dropped, uncommitted, never handled without their state."""
+    batch = [FakeMessage(b"a", partition_number=0), FakeMessage(b"b", partition_number=1)]
+    calls: list[list[int]] = []
+
+    def restore_all() -> None:
+        calls.append(sorted(worker.restoring))
+        worker.restoring.clear()
+
+    worker.assigned = {0, 1}
+    worker._begin_restore([1])
+    monkeypatch.setattr(worker, "_restore", restore_all)
+    assert worker._restore_before_handling(batch) == batch
+    assert calls == [[1]]
+
+    worker._begin_restore([1])
+    monkeypatch.setattr(worker, "_restore", lambda: calls.append(sorted(worker.restoring)))
+    assert [m.partition() for m in worker._restore_before_handling(batch)] == [0]
+    assert calls[-1] == [1]

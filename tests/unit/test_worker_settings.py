@@ -74,3 +74,12 @@ def test_start_up_and_shutdown_are_bounded_by_default(monkeypatch: pytest.Monkey
     settings = parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p", "--shutdown-timeout", "5")
     assert settings.shutdown_timeout_s == 5
     assert settings.connection.bootstrap_servers == "b:1"
+
+
+def test_static_membership_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DETOK_STATIC_MEMBERSHIP", raising=False)
+    assert not parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p").static_membership
+    flagged = parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p", "--static-membership")
+    assert flagged.static_membership
+    monkeypatch.setenv("DETOK_STATIC_MEMBERSHIP", "true")
+    assert parse("--bootstrap-servers", "b:1", "--tokenizer", "m=/p").static_membership

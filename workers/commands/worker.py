@@ -59,6 +59,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--instance-id", help="stable id of this worker across restarts")
     parser.add_argument("--session-timeout-ms", type=int)
+    parser.add_argument(
+        "--static-membership",
+        action="store_true",
+        default=None,
+        help="join the group as static member --instance-id: a restart within the session "
+        "timeout keeps its partitions without a rebalance; a stopped member holds them until then",
+    )
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--request-ttl", type=float, dest="request_ttl_s", metavar="S")
     parser.add_argument("--unknown-generated-ids", choices=["error", "skip"])
