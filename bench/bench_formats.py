@@ -3,7 +3,8 @@
 Two figures per format, both over the same workload (real-tokenizer generations from
 `bench.workload`), written once as JSONL and once as Parquet:
   (read) the reader alone, records/s and ids/s: file -> `SourceRecord`s, what the format costs;
-  (run)  `detok run` end to end in a subprocess: wall time, requests/s and peak RSS.
+  (run)  `detok run` end to end in a subprocess: wall time, CPU time (user + system, every
+         thread: on a shared host the wall time is mostly the wait for a core), peak RSS.
 Repeats rotate the order and report medians; ratios are medians of per-repeat ratios, so both
 sides of a ratio ran under the same load. No timing is asserted anywhere.
 
@@ -49,17 +50,17 @@ def read_all(records: Callable[[], Iterator[SourceRecord]]) -> tuple[float, int]
     return time.perf_counter() - started, ids
 
 
-def detok_run(tree: Path, spec: str, source: Path, output: Path) -> tuple[float, int]:
-    """Seconds and peak RSS (bytes) of `detok run` from `tree`'s code."""
+def detok_run(tree: Path, spec: str, source: Path, output: Path) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds and peak RSS (bytes) of `detok run` from `tree`'s code."""
     started = time.perf_counter()
-    code, peak = run_with_peak_rss(
+    code, peak, cpu = run_with_peak_rss(
         [sys.executable, "-m", "workers.cli", "run", "--tokenizer", spec,
          "--input", str(source), "--output", str(output)],
         cwd=tree, log=output.with_suffix(".log"), env={**os.environ, "PYTHONPATH": str(tree)},
     )  # fmt: skip
     if code != 0:
         raise SystemExit(f"detok run from {tree} on {source} failed")
-    return time.perf_counter() - started, peak
+    return time.perf_counter() - started, cpu, peak
 
 
 def check_tree(tree: Path) -> None:
@@ -116,6 +117,7 @@ def main() -> None:
             read_all(records)
         read_s: dict[str, list[float]] = {name: [] for name in readers}
         run_s: dict[str, list[float]] = {name: [] for name in runs}
+        cpu_s: dict[str, list[float]] = {name: [] for name in runs}
         rss: dict[str, list[int]] = {name: [] for name in runs}
         ids = 0
         for repeat in range(args.repeats):
@@ -126,12 +128,13 @@ def main() -> None:
             names = list(runs)
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 tree, source = runs[name]
-                seconds, peak = detok_run(tree, spec, source, work / f"out-{name}.jsonl")
+                seconds, cpu, peak = detok_run(tree, spec, source, work / f"out-{name}.jsonl")
                 run_s[name].append(seconds)
+                cpu_s[name].append(cpu)
                 rss[name].append(peak)
         check_equal([work / f"out-{name}.jsonl" for name in runs])
         sizes = {"jsonl": jsonl.stat().st_size, "parquet": parquet.stat().st_size}
-    report = summarize(args, ids, sizes, read_s, run_s, rss)
+    report = summarize(args, ids, sizes, read_s, run_s, cpu_s, rss)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -148,6 +151,7 @@ def summarize(
     sizes: dict[str, int],
     read_s: dict[str, list[float]],
     run_s: dict[str, list[float]],
+    cpu_s: dict[str, list[float]],
     rss: dict[str, list[int]],
 ) -> dict[str, Any]:
     return {
@@ -167,6 +171,7 @@ def summarize(
             name: {
                 "seconds": statistics.median(times),
                 "requests_per_s": args.requests / statistics.median(times),
+                "cpu_seconds": statistics.median(cpu_s[name]),
                 "peak_rss_mib": max(rss[name]) / 2**20,
             }
             for name, times in run_s.items()
@@ -174,8 +179,12 @@ def summarize(
         # > 1: Parquet is faster (median of per-repeat JSONL time / Parquet time).
         "parquet_speedup_read": ratio(read_s["jsonl"], read_s["parquet"]),
         "parquet_speedup_run": ratio(run_s["jsonl"], run_s["parquet"]),
+        "parquet_speedup_run_cpu": ratio(cpu_s["jsonl"], cpu_s["parquet"]),
         **(
-            {"jsonl_speedup_vs_base": ratio(run_s["jsonl@base"], run_s["jsonl"])}
+            {
+                "jsonl_speedup_vs_base": ratio(run_s["jsonl@base"], run_s["jsonl"]),
+                "jsonl_speedup_vs_base_cpu": ratio(cpu_s["jsonl@base"], cpu_s["jsonl"]),
+            }
             if "jsonl@base" in run_s
             else {}
         ),
@@ -196,16 +205,19 @@ def print_report(report: dict[str, Any]) -> None:
     for name, figures in report["run"].items():
         print(
             f"  run  {name:<10} {figures['seconds']:>6.2f} s {figures['requests_per_s']:>8,.0f} "
-            f"requests/s  peak RSS {figures['peak_rss_mib']:.0f} MiB"
+            f"requests/s  CPU {figures['cpu_seconds']:>6.2f} s  "
+            f"peak RSS {figures['peak_rss_mib']:.0f} MiB"
         )
     print(
         f"  Parquet vs JSONL (time ratio, > 1 = Parquet faster): read "
-        f"{report['parquet_speedup_read']:.2f}x, detok run {report['parquet_speedup_run']:.2f}x"
+        f"{report['parquet_speedup_read']:.2f}x, detok run {report['parquet_speedup_run']:.2f}x "
+        f"wall, {report['parquet_speedup_run_cpu']:.2f}x CPU"
     )
     if "jsonl_speedup_vs_base" in report:
         print(
             f"  JSONL detok run, this tree vs --compare-with (> 1 = faster): "
-            f"{report['jsonl_speedup_vs_base']:.2f}x"
+            f"{report['jsonl_speedup_vs_base']:.2f}x wall, "
+            f"{report['jsonl_speedup_vs_base_cpu']:.2f}x CPU"
         )
 
 

@@ -15,9 +15,12 @@ from schemas.events import LoggedGeneration, dump_json
 from schemas.validation import Rejection
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Position:
     """Where a record sits in its file, as a user would look it up there.
+
+    One is built per record, so it is a plain slotted dataclass (a frozen one costs several
+    times as much to create); nothing changes it after the reader.
 
     A text file counts lines from 1 (an editor's line number); a table file counts rows from 0
     across the whole file (the index pandas, DuckDB and `pyarrow` show), with the row group the

@@ -202,3 +202,34 @@ def test_replay_cuts_a_batch_output_file_into_the_events_of_the_same_generations
     assert list(replay_events(openai_batch_records(batch), 4)) == list(
         replay_events(jsonl_records(logged), 4)
     )
+
+
+def test_a_run_with_stop_strings_and_logprobs_gives_valid_openai_logprobs(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    output_ids = list(b"Hi there.\n\nmore")
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        generation("r", "Q:", output_ids, finish_reason="stop", stop=["\n\n"],
+                   output_logprobs=[-0.1 * (i + 1) for i in range(len(output_ids))],
+                   output_top_logprobs=[[[token_id, -0.1 * (n + 1)], [33, -5.0]]
+                                        for n, token_id in enumerate(output_ids)]) + "\n",
+        encoding="utf-8",
+    )  # fmt: skip
+    output = tmp_path / "out.jsonl"
+    assert (
+        detok_run(
+            f"bytes={tokenizer_file}", source, output, "--output-format", "openai-completion"
+        )  # fmt: skip
+        == 0
+    )
+    [line] = read_jsonl(output)
+    parsed = openai.types.Completion.model_validate(line)
+    choice = parsed.choices[0]
+    assert choice.text == "Hi there." and line["choices"][0]["stop_reason"] == "\n\n"
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert "".join(choice.logprobs.tokens).startswith(choice.text)
+    assert choice.logprobs.token_logprobs[:2] == [-0.1, -0.2]
+    assert choice.logprobs.top_logprobs[0] == {"H": -0.1, "!": -5.0}
+    offsets = choice.logprobs.text_offset
+    assert offsets is not None and offsets[:3] == [0, 1, 2]

@@ -17,7 +17,9 @@ from bench.workload import generations
 from tests.conftest import real_tokenizer_path
 from tests.unit.small_tokenizers import byte_level
 from tests.unit.test_run_command import detok_run, read_jsonl
-from workers.formats.parquet import read_completions, write_generations
+from workers.cli import main
+from workers.formats.jsonl import jsonl_records
+from workers.formats.parquet import parquet_records, read_completions, write_generations
 
 # A byte-level BPE and a SentencePiece tokenizer: the two decoder families.
 REAL = ("gpt2", "llama-spm")
@@ -221,3 +223,89 @@ def test_without_pyarrow_the_message_names_the_extra(
     assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.parquet") == 2
     assert "pip install 'detok[parquet]'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "tokenizer.json"]
+
+
+def test_logprob_columns_read_as_the_jsonl_reads_them(tmp_path: Path) -> None:
+    rows = [
+        {"request_id": "a", "model": "m", "prompt_token_ids": [1], "output_token_ids": [2, 3],
+         "output_logprobs": [-0.5, -1.5],
+         "output_top_logprobs": [[[2, -0.5], [9, -2.0]], [[3, -1.5]]],
+         "stop": ["\n\n"], "include_stop_str_in_output": True},
+        {"request_id": "b", "model": "m", "prompt_token_ids": [1], "output_token_ids": [2, 3],
+         "output_logprobs": [-0.5]},
+    ]  # fmt: skip
+    pair = pa.struct([("id", pa.uint32()), ("logprob", pa.float64())])
+    table = pa.table(
+        {
+            "request_id": ["a", "b"],
+            "model": ["m", "m"],
+            "prompt_token_ids": [[1], [1]],
+            "output_token_ids": [[2, 3], [2, 3]],
+            "output_logprobs": [[-0.5, -1.5], [-0.5]],
+            "output_top_logprobs": pa.array(
+                [
+                    [
+                        [{"id": 2, "logprob": -0.5}, {"id": 9, "logprob": -2.0}],
+                        [{"id": 3, "logprob": -1.5}],
+                    ],
+                    None,
+                ],
+                pa.list_(pa.list_(pair)),
+            ),  # fmt: skip
+            "stop": [["\n\n"], None],
+            "include_stop_str_in_output": [True, None],
+        }
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    jsonl = write_jsonl(tmp_path / "in.jsonl", rows)
+    from_parquet = list(parquet_records(tmp_path / "in.parquet"))
+    from_jsonl = list(jsonl_records(jsonl.read_bytes().splitlines()))
+    assert from_parquet[0].parsed == from_jsonl[0].parsed
+    assert from_parquet[0].parsed.output_top_logprobs == [[(2, -0.5), (9, -2.0)], [(3, -1.5)]]
+    # One logprob for two ids: refused by the model, as from JSONL.
+    assert from_parquet[1].parsed.reason == from_jsonl[1].parsed.reason == "schema_violation"
+    assert from_parquet[1].position.row == 1
+
+
+def test_a_corrupt_row_group_is_a_clear_error(tmp_path: Path, tokenizer_file: Path, capsys) -> None:
+    rows = [{"request_id": f"r{i}", "model": "bytes", "prompt_token_ids": [72],
+             "output_token_ids": [72] * 50} for i in range(200)]  # fmt: skip
+    source = tmp_path / "in.parquet"
+    write_generations(source, iter(rows))
+    data = bytearray(source.read_bytes())
+    data[100:400] = b"\xff" * 300  # inside the first row group's pages; the footer is intact
+    source.write_bytes(bytes(data))
+    assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 2
+    err = capsys.readouterr().err
+    assert "row group 0 is unreadable" in err and "Traceback" not in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_replay_refuses_a_file_that_is_not_parquet_before_connecting(
+    tmp_path: Path, capsys
+) -> None:
+    source = tmp_path / "data.parquet"
+    source.write_text("not parquet\n")
+    # Port 9 (discard) has no broker: the file is judged before any connection is tried.
+    code = main(["replay", "--input", str(source), "--topic", "t",
+                 "--bootstrap-servers", "127.0.0.1:9"])  # fmt: skip
+    assert code == 2
+    assert "is not a Parquet file" in capsys.readouterr().err
+
+
+def test_completions_with_logprobs_and_a_stop_reason_round_trip_through_parquet(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    output_ids = list(b"Hi there.\n\nmore")
+    row = {"request_id": "r", "model": "bytes", "prompt_token_ids": [72],
+           "output_token_ids": output_ids, "stop": ["\n\n"],
+           "output_logprobs": [-0.5] * len(output_ids),
+           "output_top_logprobs": [[[t, -0.5], [33, -4.0]] for t in output_ids]}  # fmt: skip
+    source = write_jsonl(tmp_path / "in.jsonl", [row])
+    spec = f"bytes={tokenizer_file}"
+    assert detok_run(spec, source, tmp_path / "out.jsonl") == 0
+    assert detok_run(spec, source, tmp_path / "out.parquet") == 0
+    [expected] = read_jsonl(tmp_path / "out.jsonl")
+    [completion] = read_completions(tmp_path / "out.parquet")
+    assert json.loads(completion.model_dump_json()) == expected
+    assert expected["stop_reason"] == "\n\n" and len(expected["logprobs"]["content"]) >= 9
