@@ -42,6 +42,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -635,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each e2e variant")
     parser.add_argument("--profile", type=Path, help="py-spy the 1-worker exactly-once run here")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--sasl-ssl", action="store_true", help="also 1 worker over SASL_SSL (bench_secured.py)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.active = 4000, 4000
@@ -683,6 +687,12 @@ def main(argv: list[str] | None = None) -> int:
             if key not in best or run.tokens_per_s > best[key].tokens_per_s:
                 best[key] = run
     runs = [best[key] for key in variants]
+    sasl_ssl = None
+    if args.sasl_ssl:  # a plaintext run paired with each SASL_SSL one, on a secured broker
+        from bench import bench_secured  # imports this module: only when asked for
+
+        plaintext = partial(run_workers, bootstrap, workload, input_topic, 1, "exactly-once", logs)
+        sasl_ssl = bench_secured.compare(workload, logs, args.repeats, plaintext, note)
     # The core's parsed events are 100s of MB of Python objects; freed, this process's paced
     # producer and delta reader (on the same 2 cores as the worker under test) run leaner.
     del core
@@ -738,6 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": memory,
         "commit_interval_ms": COMMIT_INTERVAL_MS,
         "logs": str(logs),
+        **({"sasl_ssl": sasl_ssl} if sasl_ssl else {}),
     }
     if args.profile:
         frames = top_frames(args.profile / "worker-eos.raw")
