@@ -173,6 +173,34 @@ def completions_of(secured: Secured, names: TopicNames, tmp_path: Path) -> dict[
     return completions
 
 
+def test_broker_start_prints_each_users_config_and_the_address_last(secured: Secured) -> None:
+    running = secured.broker.running
+    location = ["--port", str(running.port), "--data-dir", str(running.data_dir)]
+    started = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "broker", "start", "--security", "sasl-ssl",
+         *location],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    secured.outputs.append(started.stdout + started.stderr)
+    assert started.returncode == 0, started.stderr  # already running: found, not restarted
+    lines = started.stdout.splitlines()
+    assert lines[-1] == f"KAFKA_BOOTSTRAP_SERVERS={secured.bootstrap}"
+    printed = dict(line.split("=", 1) for line in lines if line.startswith("KAFKA_CONFIG_"))
+    assert set(printed) == {f"KAFKA_CONFIG_{user}" for user in ("ADMIN", "WORKER", "READER",
+                                                                 "PRODUCER")}  # fmt: skip
+    for name, path in printed.items():
+        properties = read_properties_file(Path(path))
+        assert properties["security.protocol"] == "SASL_SSL"
+        assert properties["sasl.mechanism"] == "SCRAM-SHA-512"
+        assert properties["sasl.username"] == name.removeprefix("KAFKA_CONFIG_").lower()
+        assert Path(properties["ssl.ca.location"]).is_file()
+    status = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "broker", "status", "--data-dir", location[-1]],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert status.returncode == 0 and "running (ready)" in status.stdout
+
+
 @pytest.mark.slow
 def test_the_pipeline_over_sasl_ssl_each_step_as_its_own_least_privileged_principal(
     secured: Secured, tmp_path: Path

@@ -3,6 +3,7 @@ refusal of settings detok's guarantees depend on, redaction of secrets, OAUTHBEA
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from workers import msk_iam
 from workers.cli import build_parser, main
-from workers.commands.options import connection_from
+from workers.commands.options import connection_from, kafka_config_arguments
 from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection
 from workers.kafka_config import (
     CONFIG_FILE_ENV,
@@ -238,3 +239,26 @@ def test_a_missing_config_file_is_a_usage_error(capsys: pytest.CaptureFixture[st
     code = main(["topics", "ensure", "--kafka-config", "/no/such/file.properties"])
     assert code == 2
     assert "cannot read Kafka config file /no/such/file.properties" in capsys.readouterr().err
+
+
+def test_a_child_command_gets_the_same_config_flags(tmp_path: Path) -> None:
+    path = write(tmp_path, "security.protocol=SSL\n")
+    flags = ["--kafka-config", str(path), "-X", "a=b", "-X", "c=d"]
+    parent = build_parser().parse_args(["demo", *flags, "--bootstrap-servers", NOWHERE])
+    rendered = kafka_config_arguments(parent)
+    child = build_parser().parse_args(["worker", *rendered, "--bootstrap-servers", NOWHERE])
+    assert connection_from(child) == connection_from(parent)
+
+
+@pytest.mark.parametrize("command", KAFKA_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_help_never_shows_a_secret_from_the_environment(
+    command: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(write(tmp_path, f"sasl.password={SECRET}\n")))
+    monkeypatch.setenv(LEGACY_JSON_ENV, json.dumps({"sasl.password": SECRET}))
+    words = command[:2] if command[0] in ("topics", "dlq", "acls") else command[:1]
+    assert main([*words, "--help"]) == 0
+    assert SECRET not in capsys.readouterr().out
