@@ -16,8 +16,15 @@ events arrive in). Outputs of (b) and (c) are checked equal for every request, a
 `git worktree add /tmp/base <commit>` of the code before a change) and times them in the same
 rotation, as (b0) and (c0): before/after figures from one run, paired per repeat.
 
+`--decode-options` adds the whole `RequestProcessor` (sequencing, decode, deltas, completions)
+over the same requests as events, in continuous rounds of `--active` requests (docs/decode-
+options.md): (p) no options, (ps) four stop strings per request (ones the workload never
+completes, so every request runs its full length and the row measures matching and hold-back),
+(pl) top-5 logprobs on every token; with `--compare-with`, (p0) is (p) on the other tree.
+Ratios to (p) are paired per repeat; (ps) must give (p)'s completions exactly.
+
     python -m bench.bench_core [--shared-dir ../shared] [--tokenizers gpt2,llama-spm] [--json]
-                               [--compare-with /tmp/base]
+                               [--compare-with /tmp/base] [--decode-options]
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from itertools import compress
+from itertools import compress, zip_longest
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -42,11 +49,21 @@ from tokenizers.decoders import DecodeStream as HFDecodeStream
 from bench.workload import generations
 from pipeline.batch import decode_round
 from pipeline.decode_stream import DecodeStream
+from pipeline.processor import RequestProcessor
+from pipeline.results import EventOrigin
+from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
 
 CHUNK = 16
 # Issue 2's targets for (c), the batched path: at least half of (d) and 4x (a).
 TARGET_TO_D = 0.5
 TARGET_TO_A = 4.0
+# Issue 13's aim for (ps): stop strings at no less than 80% of the processor's no-option rate.
+TARGET_STOP_TO_P = 0.8
+# Stop strings the workload's text never completes, though it holds their first characters
+# ("\n" in code, "<" in templates, "#", "O"), so matching and hold-back both run.
+BENCH_STOPS = ["\n\nHuman:", "<|endoftext|>", "###", "Observation:"]
+TOP_LOGPROBS = 5
 
 
 def chunks_of(ids: list[int]) -> list[list[int]]:
@@ -142,6 +159,75 @@ def method_batched(
     return ["".join(o) for o in outs]
 
 
+def processor_rounds(
+    reqs: list[dict[str, Any]],
+    active: int,
+    stop: list[str] | None,
+    logprobs: bool,
+    vocab: int = 1,
+) -> list[list[tuple[ParsedEvent, EventOrigin]]]:
+    """The requests as the batches a worker would hand its processor: windows of `active`
+    requests, each round one event of every request in the window (built outside timings).
+    With `logprobs`, every token gets its logprob and TOP_LOGPROBS alternatives below `vocab`."""
+    origin = EventOrigin("bench", 0, 0, b"")
+    rounds = []
+    for start in range(0, len(reqs), active):
+        streams = []
+        for index, r in enumerate(reqs[start : start + active], start=start):
+            request_id = f"r{index}"
+            events: list[ParsedEvent] = [
+                ParsedPrompt(
+                    request_id=request_id,
+                    model="m",
+                    prompt_token_ids=r["prompt_token_ids"],
+                    skip_special_tokens=r["skip_special_tokens"],
+                    stop=stop,
+                )
+            ]
+            for chunk in chunks_of(r["output_token_ids"]):
+                events.append(
+                    ParsedTokens(
+                        request_id=request_id,
+                        seq=len(events),
+                        token_ids=chunk,
+                        logprobs=[-0.25] * len(chunk) if logprobs else None,
+                        top_logprobs=(
+                            [
+                                [((t + k) % vocab, -0.5 - k) for k in range(TOP_LOGPROBS)]
+                                for t in chunk
+                            ]
+                            if logprobs
+                            else None
+                        ),
+                    )
+                )
+            events.append(ParsedFinish(request_id=request_id, seq=len(events)))
+            streams.append(events)
+        for round_events in zip_longest(*streams):
+            rounds.append([(e, origin) for e in round_events if e is not None])
+    return rounds
+
+
+def method_processor(
+    registry: TokenizerRegistry,
+    rounds: list[list[tuple[ParsedEvent, EventOrigin]]],
+    requests: int,
+    processor_class: Any = RequestProcessor,
+) -> list[str]:
+    processor = processor_class(registry)
+    texts: dict[str, str] = {}
+    stopped = 0
+    for batch in rounds:
+        for completion in processor.process(batch).completions:
+            if completion.status != "ok":
+                raise SystemExit(f"bench request failed: {completion.error}")
+            texts[completion.request_id] = completion.text
+            stopped += getattr(completion, "stop_reason", None) is not None
+    if stopped:
+        raise SystemExit(f"{stopped} bench requests stopped: BENCH_STOPS must never complete")
+    return [texts[f"r{i}"] for i in range(requests)]
+
+
 def method_decode_batch(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]:
     return tok.decode_batch([r["output_token_ids"] for r in reqs], skip_special_tokens=True)
 
@@ -163,8 +249,9 @@ def paired_ratio(reference: list[float], method: list[float]) -> float:
     return statistics.median(r / m for r, m in zip(reference, method, strict=True))
 
 
-def load_pipeline(tree: Path) -> tuple[Any, Callable[..., Any]]:
-    """`DecodeStream` and `decode_round` of another checkout's `pipeline`, loaded beside ours.
+def load_pipeline(tree: Path) -> tuple[Any, Callable[..., Any], Any]:
+    """`DecodeStream`, `decode_round` and `RequestProcessor` of another checkout's `pipeline`,
+    loaded beside ours.
 
     Our `pipeline` modules are set aside while the other tree's are imported (their absolute
     `pipeline.` imports then resolve inside that tree), and put back after: both versions live
@@ -181,14 +268,31 @@ def load_pipeline(tree: Path) -> tuple[Any, Callable[..., Any]]:
     try:
         stream_module = importlib.import_module("pipeline.decode_stream")
         batch_module = importlib.import_module("pipeline.batch")
+        processor_module = importlib.import_module("pipeline.processor")
+        for strategy in ("decode_byte_level", "decode_reference", "decode_spm"):
+            importlib.import_module(f"pipeline.{strategy}")
     finally:
         sys.path.remove(str(tree))
-        for name in ours():
+        theirs = ours()
+        for name in theirs:
             del sys.modules[name]
         sys.modules.update(saved)
     if not Path(stream_module.__file__).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"--compare-with {tree}: its pipeline package was not the one loaded")
-    return stream_module.DecodeStream, batch_module.decode_round
+    # `stream_class_for` imports the strategy modules when it first builds a class: that import
+    # must find the other tree's modules, or its streams would be built from ours.
+    build_class = stream_module.stream_class_for
+
+    def stream_class_for(tokenizer: Tokenizer, skip_special_tokens: bool) -> Any:
+        current = ours()
+        sys.modules.update(theirs)
+        try:
+            return build_class(tokenizer, skip_special_tokens)
+        finally:
+            sys.modules.update(current)
+
+    stream_module.stream_class_for = stream_class_for
+    return stream_module.DecodeStream, batch_module.decode_round, processor_module.RequestProcessor
 
 
 def bench_tokenizer(
@@ -197,7 +301,8 @@ def bench_tokenizer(
     repeats: int,
     active: int,
     requests: int,
-    base: tuple[Any, Callable[..., Any]] | None = None,
+    base: tuple[Any, Callable[..., Any], Any] | None = None,
+    decode_options: bool = False,
 ) -> dict[str, Any]:
     tok = Tokenizer.from_file(str(path))
     reqs = generations(tok, model=name, requests=requests)
@@ -211,10 +316,22 @@ def bench_tokenizer(
         "d": lambda: method_decode_batch(tok, reqs),
     }
     if base is not None:
-        base_stream, base_round = base
+        base_stream, base_round, base_processor = base
         base_stream(tok, [1, 2, 3]).push([4])
         methods["b0"] = lambda: method_push(tok, reqs, chunked, base_stream)
         methods["c0"] = lambda: method_batched(tok, reqs, chunked, active, base_stream, base_round)
+    if decode_options:
+        registry = TokenizerRegistry()
+        registry.register("m", path)
+        plain = processor_rounds(reqs, active, None, False)
+        stops = processor_rounds(reqs, active, BENCH_STOPS, False)
+        logprobs = processor_rounds(reqs, active, None, True, tok.get_vocab_size())
+        count = len(reqs)
+        methods["p"] = lambda: method_processor(registry, plain, count)
+        methods["ps"] = lambda: method_processor(registry, stops, count)
+        methods["pl"] = lambda: method_processor(registry, logprobs, count)
+        if base is not None:
+            methods["p0"] = lambda: method_processor(registry, plain, count, base_processor)
     times: dict[str, list[float]] = {k: [] for k in methods}
     outputs: dict[str, list[str]] = {}
     order = list(methods)
@@ -228,8 +345,19 @@ def bench_tokenizer(
     versus_base = {}
     if base is not None:
         versus_base = {k: paired_ratio(times[f"{k}0"], times[k]) for k in ("b", "c")}
+        pairs = [k for k in ("b", "c", "p") if k in times]
+        versus_base = {k: paired_ratio(times[f"{k}0"], times[k]) for k in pairs}
         versus_base["mismatches"] = sum(
-            x != y for k in ("b", "c") for x, y in zip(outputs[k], outputs[f"{k}0"], strict=True)
+            x != y for k in pairs for x, y in zip(outputs[k], outputs[f"{k}0"], strict=True)
+        )
+    options = {}
+    if decode_options:
+        options = {k: paired_ratio(times["p"], times[k]) for k in ("ps", "pl")}
+        options["mismatches_ps_vs_p"] = sum(
+            x != y for x, y in zip(outputs["p"], outputs["ps"], strict=True)
+        )
+        options["mismatches_p_vs_b"] = sum(
+            x != y for x, y in zip(outputs["p"], outputs["b"], strict=True)
         )
     return {
         "tokenizer": name,
@@ -246,6 +374,7 @@ def bench_tokenizer(
         "mismatches_b_vs_c": mismatches_bc,
         "mismatches_b_vs_a": mismatches_ba,
         "versus_base": versus_base,
+        "decode_options": options,
     }
 
 
@@ -256,6 +385,10 @@ LABELS = {
     "d": "(d) one decode_batch, no streaming",
     "b0": "(b0) as (b), --compare-with tree",
     "c0": "(c0) as (c), --compare-with tree",
+    "p": "(p) RequestProcessor, no decode options",
+    "p0": "(p0) as (p), --compare-with tree",
+    "ps": "(ps) RequestProcessor, 4 stop strings",
+    "pl": "(pl) RequestProcessor, top-5 logprobs",
 }
 
 
@@ -275,6 +408,11 @@ def main() -> None:
         metavar="TREE",
         help="another checkout whose pipeline's (b) and (c) are timed in the same run",
     )
+    parser.add_argument(
+        "--decode-options",
+        action="store_true",
+        help="add the processor rows: no options, stop strings, logprobs",
+    )
     args = parser.parse_args()
     base = None if args.compare_with is None else load_pipeline(args.compare_with)
     results = [
@@ -285,6 +423,7 @@ def main() -> None:
             args.active,
             args.requests,
             base,
+            args.decode_options,
         )
         for n in args.tokenizers.split(",")
     ]
@@ -312,9 +451,18 @@ def main() -> None:
         )
         if res["versus_base"]:
             vs = res["versus_base"]
+            pairs = ", ".join(f"({k}) {v:.3f}" for k, v in vs.items() if k != "mismatches")
             print(
                 f"this tree vs --compare-with (median per-repeat time ratio, > 1 = faster): "
-                f"(b) {vs['b']:.3f}, (c) {vs['c']:.3f}; output mismatches: {vs['mismatches']}"
+                f"{pairs}; output mismatches: {vs['mismatches']}"
+            )
+        if res["decode_options"]:
+            opts = res["decode_options"]
+            print(
+                f"decode options vs (p) (median per-repeat time ratio): stop strings (ps) "
+                f"{opts['ps']:.3f} (aim >= {TARGET_STOP_TO_P}), logprobs (pl) {opts['pl']:.3f}; "
+                f"completions (ps) vs (p): {opts['mismatches_ps_vs_p']} mismatches, "
+                f"(p) vs (b): {opts['mismatches_p_vs_b']}"
             )
 
 

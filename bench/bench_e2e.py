@@ -57,6 +57,7 @@ from schemas.events import LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import parse_event
 from workers.broker import answers_metadata, broker_status, start_broker
+from workers.formats.jsonl import jsonl_records
 from workers.kafka_clients import KafkaConnection, make_consumer, make_producer
 from workers.process_policy import tune_garbage_collector
 from workers.replay import replay, replay_events
@@ -167,7 +168,7 @@ class Core:
 
     def __init__(self, workload: Workload) -> None:
         lines = workload.path.read_bytes().splitlines()
-        self.values = [value for _, value in replay_events(iter(lines), CHUNK)]
+        self.values = [value for _, value in replay_events(jsonl_records(lines), CHUNK)]
         self.parsed = [
             (parse_event(value), EventOrigin("bench", 0, offset, value))
             for offset, value in enumerate(self.values)
@@ -383,7 +384,7 @@ def timed_events(records: list[dict[str, Any]]) -> list[tuple[bytes, bytes, int]
     """(key, value, seq) in replay order, encoded up front so pacing measures nothing else."""
     lines = iter(json.dumps(r).encode() for r in records)
     out = []
-    for key, value in replay_events(lines, CHUNK):
+    for key, value in replay_events(jsonl_records(lines), CHUNK):
         out.append((key or b"", value, json.loads(value)["seq"]))
     return out
 

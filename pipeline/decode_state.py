@@ -155,6 +155,19 @@ class DecodeState:
             "filtered_prompt_ids": array("I", self.filtered_ids).tolist(),
         }
 
+    def clone(self) -> DecodeState:
+        """An independent copy: a stop-string request keeps one from before each chunk, to
+        replay that chunk id by id only when a stop completes in it (`pipeline.processor`)."""
+        other = object.__new__(type(self))
+        other.unknown_generated_ids = self.unknown_generated_ids
+        other.ids = list(self.ids)
+        other.prefix = self.prefix
+        other.prefix_index = self.prefix_index
+        other.started = self.started
+        other.held = list(self.held)
+        other.filtered_ids = self.filtered_ids  # set once, while seeding; never mutated after
+        return other
+
     def _restore_state(self, data: Snapshot) -> None:
         self._init_state(data.ids, data.unknown_generated_ids)
         self.prefix = data.prefix

@@ -57,6 +57,7 @@ __all__ = [
     "StrictDecodeError",
     "UnknownPolicy",
     "slice_from_byte",
+    "push_each",
     "stream_class_for",
     "utf8_len",
 ]
@@ -172,3 +173,17 @@ class DecodeStream(DecodeState):
         A stream that was never pushed a token returns "": the prompt is never emitted.
         """
         raise NotImplementedError
+
+
+def push_each(stream: DecodeStream, token_ids: Sequence[int], texts: list[str]) -> None:
+    """Push `token_ids` one at a time, appending each id's own text to `texts`.
+
+    Each text is what per-token pushing emits at that id (docs/decode-semantics.md, 'Pushing'),
+    so, by chunk invariance, their concatenation is `push(token_ids)`: this is how text is
+    attributed to tokens (a logprob entry's `text`, the token that completed a stop string).
+    On an error `texts` holds the texts of the ids before the failing one.
+    """
+    push = stream.push
+    append = texts.append
+    for token_id in token_ids:
+        append(push((token_id,)))

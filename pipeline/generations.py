@@ -26,12 +26,23 @@ def generation_events(
             model=generation.model,
             prompt_token_ids=generation.prompt_token_ids,
             skip_special_tokens=generation.skip_special_tokens,
+            stop=generation.stop,
+            include_stop_str_in_output=generation.include_stop_str_in_output,
         )
     ]
     ids = generation.output_token_ids
+    logprobs = generation.output_logprobs
+    top_logprobs = generation.output_top_logprobs
     for seq, start in enumerate(range(0, len(ids), chunk_size), start=1):
+        end = start + chunk_size
         events.append(
-            ParsedTokens(request_id=request_id, seq=seq, token_ids=ids[start : start + chunk_size])
+            ParsedTokens(
+                request_id=request_id,
+                seq=seq,
+                token_ids=ids[start:end],
+                logprobs=None if logprobs is None else logprobs[start:end],
+                top_logprobs=None if top_logprobs is None else top_logprobs[start:end],
+            )
         )
     events.append(
         ParsedFinish(request_id=request_id, seq=len(events), finish_reason=generation.finish_reason)

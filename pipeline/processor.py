@@ -24,10 +24,16 @@ from typing import Literal
 
 from tokenizers import Tokenizer
 
-from pipeline.batch import decode_round
+from pipeline.batch import ChunkResult, decode_round
 from pipeline.dead_letter_reasons import REASONS
-from pipeline.decode_stream import DecodeStream, InvalidTokenIdError, StrictDecodeError
+from pipeline.decode_stream import (
+    DecodeStream,
+    InvalidTokenIdError,
+    StrictDecodeError,
+    push_each,
+)
 from pipeline.errors import SnapshotError
+from pipeline.logprobs import build_entries, check_alternatives, logprobs_model
 from pipeline.request_state import (
     ActiveRequest,
     FailedRequest,
@@ -40,6 +46,7 @@ from pipeline.request_state import (
     json_size,
 )
 from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
+from pipeline.stop_strings import StopMatch, matcher_for
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
 from pipeline.vocab_tables import profile_for
 from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, encode_json
@@ -172,6 +179,8 @@ class RequestProcessor:
         if isinstance(state, FinishedRequest):
             if event.seq <= state.last_seq:
                 result.duplicates += 1
+            elif state.stopped:
+                self._after_stop(request_id, state, event, result)
             else:
                 self._dead_letter(
                     result,
@@ -275,6 +284,8 @@ class RequestProcessor:
             stream=stream,
             prompt_tokens=len(event.prompt_token_ids),
             last_event_at=at,
+            stop=event.stop,
+            include_stop_str_in_output=event.include_stop_str_in_output,
         )
 
     # -- decoding -----------------------------------------------------------------------------
@@ -282,6 +293,12 @@ class RequestProcessor:
     def _decode(self, work: Sequence[_Work], result: BatchResult) -> None:
         # Only requests still active get decoded: a gap overflow may have failed one meanwhile.
         work = [w for w in work if self.requests.get(w.request_id) is w.state]
+        # Requests with decode options take their own path (`_decode_with_options`); the rest
+        # pays one test each for them.
+        optioned = [w for w in work if w.state.stop is not None or _has_logprobs(w)]
+        if optioned:
+            work = [w for w in work if w.state.stop is None and not _has_logprobs(w)]
+            self._decode_with_options(optioned, result)
         chunks = [_joined_ids(w.events) for w in work]
         try:
             outcomes = decode_round(
@@ -346,6 +363,345 @@ class RequestProcessor:
             marker = FinishedRequest(last_seq=last.seq, last_event_at=state.last_event_at)
             self._close(entry.request_id, state, marker, result)
 
+    # -- decode options (docs/decode-options.md) ------------------------------------------------
+
+    def _decode_with_options(self, work: list[_Work], result: BatchResult) -> None:
+        """Decode requests with stop strings or logprobs.
+
+        A logprob request pushes its chunk id by id: each token's text is part of its output.
+        A request with only stop strings pushes its chunk whole, in the batched round like any
+        other, keeping a copy of its stream from before: the copy is replayed id by id only for
+        the chunk in which a stop completes, to find the token that completed it.
+        """
+        batched: list[tuple[_Work, list[int], DecodeStream]] = []
+        singles: list[tuple[_Work, list[int], ChunkResult, list[str]]] = []
+        for entry in work:
+            try:
+                if not self._check_logprobs(entry, result):
+                    continue
+                chunk = _joined_ids(entry.events)
+                stream = entry.state.stream
+                if entry.state.logprobs:
+                    texts: list[str] = []
+                    try:
+                        push_each(stream, chunk, texts)
+                        outcome = ChunkResult("".join(texts))
+                    except (StrictDecodeError, InvalidTokenIdError) as error:
+                        outcome = ChunkResult("".join(texts), error)
+                    singles.append((entry, chunk, outcome, texts))
+                else:
+                    batched.append((entry, chunk, stream.clone()))  # type: ignore[arg-type]
+            except BaseException as error:  # as in `process`: this request only
+                if not is_record_fault(error):
+                    raise
+                self._fail_unexpected(entry, error, result)
+        try:
+            outcomes = decode_round([(w.state.stream, chunk) for w, chunk, _ in batched])
+        except BaseException as error:  # the round isolates streams; this fault is around them
+            if not is_record_fault(error):
+                raise
+            for entry, _, _ in batched:
+                self._fail_unexpected(entry, error, result)
+            outcomes, batched = [], []
+        steps = [
+            (w, c, o, None, before) for (w, c, before), o in zip(batched, outcomes, strict=True)
+        ]
+        steps += [(w, c, o, texts, None) for w, c, o, texts in singles]
+        for entry, chunk, outcome, texts, before in steps:
+            try:
+                error = outcome.error
+                if error is not None and not isinstance(
+                    error, StrictDecodeError | InvalidTokenIdError
+                ):
+                    self._fail_unexpected(entry, error, result)
+                else:
+                    self._advance_with_options(entry, chunk, outcome, texts, before, result)
+            except BaseException as unexpected:  # as in `process`: this request only
+                if not is_record_fault(unexpected):
+                    raise
+                self._fail_unexpected(entry, unexpected, result)
+
+    def _check_logprobs(self, entry: _Work, result: BatchResult) -> bool:
+        """Whether the chunk's logprobs can be used; if not, the request fails here.
+
+        A request's tokens events all carry logprobs or none does (the first decides): entries
+        missing for some tokens could not be attributed. An alternative id the tokenizer and the
+        model cannot have produced is `token_id_out_of_range`, like such a prompt id.
+        """
+        state = entry.state
+        expected = state.logprobs
+        if expected is None and state.generated_tokens > 0:
+            expected = False
+        limit: int | None = None
+        for index, held in enumerate(entry.events):
+            event = held.event
+            if type(event) is not ParsedTokens or not event.token_ids:
+                continue
+            present = event.logprobs is not None
+            if expected is None:
+                expected = present
+            if present != expected:
+                self._fail_on_event(
+                    entry,
+                    index,
+                    DeadLetterReason.SCHEMA_VIOLATION,
+                    "a request's tokens events must all carry logprobs or none: this one "
+                    + ("does not" if expected else "does"),
+                    result,
+                )
+                return False
+            if present and event.top_logprobs is not None:
+                if limit is None:
+                    model = self.registry.get(state.model)
+                    limit = max(model.model_vocab_size or 0, model.tokenizer_vocab_size)
+                bad = check_alternatives(event.top_logprobs, limit)
+                if bad >= 0:
+                    self._fail_on_event(
+                        entry,
+                        index,
+                        DeadLetterReason.TOKEN_ID_OUT_OF_RANGE,
+                        f"top_logprobs token id {bad} is outside the tokenizer and the model "
+                        f"vocabulary ({limit} ids)",
+                        result,
+                    )
+                    return False
+        if expected is not None:
+            state.logprobs = expected
+        return True
+
+    def _fail_on_event(
+        self, entry: _Work, index: int, reason: DeadLetterReason, message: str, result: BatchResult
+    ) -> None:
+        """One event of the chunk is unusable: it is dead-lettered with `reason`, the chunk's
+        other events as already failed, and the request fails with its text so far."""
+        held = entry.events[index]
+        self._dead_letter(result, reason, held.event, held.origin, message)
+        self._dead_letter_all(
+            result,
+            DeadLetterReason.REQUEST_ALREADY_FAILED,
+            (h for i, h in enumerate(entry.events) if i != index),
+            "another event of this request's chunk was unusable",
+        )
+        self._end_failed(entry.request_id, entry.state, reason, message, result)
+
+    def _advance_with_options(
+        self,
+        entry: _Work,
+        chunk: list[int],
+        outcome: ChunkResult,
+        texts: list[str] | None,
+        before: DecodeStream | None,
+        result: BatchResult,
+    ) -> None:
+        """`_advance` with stop strings and logprobs: find a stop, hold back what may begin
+        one, record each token's place in the text."""
+        state = entry.state
+        error = outcome.error
+        text = outcome.text
+        pushed = len(chunk)
+        if error is not None:
+            bad_id = getattr(error, "token_id", None)
+            pushed = chunk.index(bad_id) if bad_id in chunk else 0
+        last = entry.events[-1].event
+        finished = error is None and type(last) is ParsedFinish
+        if finished:
+            text += state.stream.flush()
+        if state.logprobs:
+            self._record_logprobs(state, entry.events, pushed, texts or [])
+        if state.stop is not None:
+            held = state.stop_held
+            match = matcher_for(state.stop).find(held + text) if text else None
+            if match is not None:
+                self._stop(entry, chunk, pushed, text, texts, before, match, result)
+                return
+        if error is not None:
+            self._fail_decode(entry, chunk, text, error, result)  # type: ignore[arg-type]
+            return
+        state.generated_tokens += pushed
+        result.decoded_tokens += pushed
+        limit = self.max_text_bytes
+        if limit is not None and state.text_size + json_size(text) > limit:
+            self._fail_too_large(entry, text, result)
+            return
+        state.add_text(text)
+        published = state.stop_held + text
+        if state.stop is not None:
+            kept = 0 if finished else matcher_for(state.stop).held_length(published)
+            state.stop_held = published[len(published) - kept :] if kept else ""
+            published = published[: len(published) - kept]
+        self._maybe_filtered_ids(entry.request_id, state, result)
+        entries = self._new_entries(state, finished, state.text_chars)
+        if published or finished or entries:
+            self._publish_delta(
+                entry.request_id, state, last.seq, published, finished, entries, result
+            )
+        if finished:
+            result.completions.append(
+                self._completion(entry.request_id, state, "ok", last.finish_reason)
+            )
+            marker = FinishedRequest(last_seq=last.seq, last_event_at=state.last_event_at)
+            self._close(entry.request_id, state, marker, result)
+
+    def _record_logprobs(
+        self, state: ActiveRequest, events: Sequence[HeldEvent], pushed: int, texts: list[str]
+    ) -> None:
+        """Append the logprob columns of the first `pushed` ids of the chunk."""
+        taken = 0
+        for held in events:
+            event = held.event
+            if type(event) is not ParsedTokens or taken >= pushed:
+                continue
+            count = min(len(event.token_ids), pushed - taken)
+            state.lp_ids += event.token_ids[:count]
+            state.lp_values += event.logprobs[:count]  # type: ignore[index]  # checked
+            tops = event.top_logprobs
+            state.lp_tops += tops[:count] if tops is not None else [[] for _ in range(count)]
+            taken += count
+        offset = state.text_chars
+        offsets = state.lp_offsets
+        for text in texts[:pushed]:
+            offsets.append(offset)
+            offset += len(text)
+
+    def _new_entries(
+        self, state: ActiveRequest, finished: bool, cut: int
+    ) -> list[dict[str, object]] | None:
+        """Entries no delta has carried whose text is now published, or None for a request
+        without logprobs. A token's text is settled once the next token is pushed (the last
+        token's only at the end, which may add the finish flush), and published once no part
+        of it is held back for a possible stop."""
+        if not state.logprobs:
+            return None
+        published = state.text_chars - len(state.stop_held)
+        offsets = state.lp_offsets
+        count = len(offsets)
+        first = state.lp_sent
+        last = count if finished else max(count - 1, first)
+        while last > first and last < count and offsets[last] > published:
+            last -= 1
+        if last <= first:
+            return []
+        state.lp_sent = last
+        entries = self._entries(state, first, last, cut)
+        if len(state.lp_built) == first:  # kept for the completion (not after a restore)
+            state.lp_built += entries
+        return entries
+
+    def _entries(
+        self, state: ActiveRequest, first: int, last: int, cut: int
+    ) -> list[dict[str, object]]:
+        start = min(state.lp_offsets[first], cut)
+        return build_entries(
+            profile_for(self.registry.get(state.model).tokenizer),
+            state.lp_ids,
+            state.lp_values,
+            state.lp_tops,
+            state.lp_offsets,
+            first,
+            last,
+            state.text_tail(state.text_chars - start),
+            start,
+            cut,
+        )
+
+    def _publish_delta(
+        self,
+        request_id: str,
+        state: ActiveRequest,
+        seq: int,
+        text: str,
+        final: bool,
+        entries: list[dict[str, object]] | None,
+        result: BatchResult,
+    ) -> None:
+        offset = state.text_chars - len(state.stop_held) - len(text)
+        result.deltas.append(
+            Delta(request_id, state.model, state.delta_start, seq, offset, text, final, entries)
+        )
+        state.delta_start = seq + 1
+
+    def _stop(
+        self,
+        entry: _Work,
+        chunk: list[int],
+        pushed: int,
+        text: str,
+        texts: list[str] | None,
+        before: DecodeStream | None,
+        match: StopMatch,
+        result: BatchResult,
+    ) -> None:
+        """A stop string completed in this chunk: publish the completion at the stop.
+
+        The completion holds the text up to the stop string's start (its end with
+        `include_stop_str_in_output`) and the ids up to the one whose text completed it; the
+        chunk's later events are consumed as events after the stop.
+        """
+        state = entry.state
+        held = state.stop_held
+        base = state.text_chars - len(held)  # where `held + text` starts in the text
+        end = base + match.end
+        cut = base + (match.end if state.include_stop_str_in_output else match.start)
+        if texts is None:
+            texts = []
+            if before is not None:
+                # Up to the failing id, if any: the stop came before it.
+                push_each(before, chunk[:pushed], texts)
+        completing, in_flush = _completing_token(state.text_chars, texts, end, pushed)
+        whole = (state.text() + text)[:cut]
+        limit = self.max_text_bytes
+        if limit is not None and json_size(whole) > limit:
+            self._fail_too_large(entry, text, result)
+            return
+        state.generated_tokens += completing
+        result.decoded_tokens += completing
+        state.text_parts[:] = [whole] if whole else []
+        state.text_chars = cut
+        state.text_size = json_size(whole)
+        state.stop_held = ""
+        entries = None
+        if state.logprobs:
+            kept = len(state.lp_offsets) - pushed + completing
+            del state.lp_ids[kept:], state.lp_values[kept:], state.lp_tops[kept:]
+            del state.lp_offsets[kept:]
+            entries = self._new_entries(state, True, cut)
+        self._maybe_filtered_ids(entry.request_id, state, result)
+        events = entry.events
+        stopping = len(events) - 1 if in_flush else _event_of_token(events, completing)
+        result.deltas.append(
+            Delta(
+                entry.request_id,
+                state.model,
+                state.delta_start,
+                events[stopping].event.seq,
+                base,
+                whole[base:],
+                True,
+                entries,
+            )
+        )
+        result.completions.append(
+            self._completion(entry.request_id, state, "ok", "stop", stop_reason=match.stop)
+        )
+        result.events_after_stop += len(events) - 1 - stopping
+        marker = FinishedRequest(
+            last_seq=events[-1].event.seq,
+            last_event_at=state.last_event_at,
+            stopped=type(events[-1].event) is not ParsedFinish,
+        )
+        self._close(entry.request_id, state, marker, result)
+
+    def _after_stop(
+        self, request_id: str, state: FinishedRequest, event: ParsedEvent, result: BatchResult
+    ) -> None:
+        """An event after a stop string ended the request: consumed and counted; its finish
+        makes the marker a plain finished one (later events are then `event_after_finish`)."""
+        result.events_after_stop += 1
+        state.last_seq = event.seq
+        if type(event) is ParsedFinish:
+            state.stopped = False
+        result.touched.add(request_id)
+
     def _fail_decode(
         self,
         entry: _Work,
@@ -361,7 +717,7 @@ class RequestProcessor:
         state.generated_tokens += bad_index
         result.decoded_tokens += bad_index
         partial_text = self._fitting(state, partial_text)
-        offset = state.text_chars
+        offset = state.text_chars - len(state.stop_held)
         state.add_text(partial_text)
         self._maybe_filtered_ids(entry.request_id, state, result)
         failing = _failing_event_index(entry.events, bad_index)
@@ -394,7 +750,7 @@ class RequestProcessor:
         that completed the chunk (the chunk decodes as one, so no finer event is known)."""
         state = entry.state
         kept = self._fitting(state, text)
-        offset = state.text_chars
+        offset = state.text_chars - len(state.stop_held)
         state.add_text(kept)
         self._maybe_filtered_ids(entry.request_id, state, result)
         last = entry.events[-1]
@@ -503,7 +859,16 @@ class RequestProcessor:
         status: Literal["ok", "failed"],
         finish_reason: str | None,
         error: str | None = None,
+        stop_reason: str | None = None,
     ) -> Completion:
+        logprobs = None
+        if state.logprobs:
+            # Validated once here into the models; deltas carry the plain entries.
+            count = len(state.lp_offsets)
+            entries = state.lp_built
+            if len(entries) != count:
+                entries = self._entries(state, 0, count, state.text_chars) if count else []
+            logprobs = logprobs_model(entries)
         return Completion(
             request_id=request_id,
             model=state.model,
@@ -514,6 +879,8 @@ class RequestProcessor:
             generated_tokens=state.generated_tokens,
             filtered_prompt_ids=list(state.stream.filtered_prompt_ids),
             error=error,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
         )
 
     def _end_failed(
@@ -527,10 +894,18 @@ class RequestProcessor:
     ) -> None:
         """Fail a live request: its final delta (seq, text offset, text) when it has one, a
         failed completion with the text so far, and the failed marker."""
+        if last_delta is None and state.stop_held:
+            # Text held back for a possible stop string is the request's: it goes out too.
+            seq = state.next_seq - 1
+            state.delta_start = min(state.delta_start, seq)
+            last_delta = (seq, state.text_chars - len(state.stop_held), "")
         if last_delta is not None:
             seq, offset, text = last_delta
+            text = state.stop_held + text
+            state.stop_held = ""
+            entries = self._new_entries(state, True, state.text_chars)
             result.deltas.append(
-                Delta(request_id, state.model, state.delta_start, seq, offset, text, True)
+                Delta(request_id, state.model, state.delta_start, seq, offset, text, True, entries)
             )
         result.completions.append(self._completion(request_id, state, "failed", None, message))
         marker = FailedRequest(model=state.model, reason=reason, last_event_at=state.last_event_at)
@@ -540,6 +915,12 @@ class RequestProcessor:
         self, request_id: str, state: ActiveRequest, marker: RequestState, result: BatchResult
     ) -> None:
         """Replace an active request by its marker; held events can never be applied now."""
+        if type(marker) is FinishedRequest and marker.stopped and state.held:
+            # Events already held past a stop are events after it, like those still to come.
+            for seq in sorted(state.held):
+                self._after_stop(request_id, marker, state.held[seq].event, result)
+            state.held.clear()
+            state.held_bytes = 0
         reason = (
             DeadLetterReason.EVENT_AFTER_FINISH
             if isinstance(marker, FinishedRequest)
@@ -735,6 +1116,40 @@ def _joined_ids(events: Sequence[HeldEvent]) -> list[int]:
         if type(held.event) is ParsedTokens:
             ids += held.event.token_ids
     return ids
+
+
+def _has_logprobs(entry: _Work) -> bool:
+    """Whether a request's chunk is decoded with logprobs (its tokens events carry them)."""
+    if entry.state.logprobs is not None:
+        return entry.state.logprobs
+    return any(
+        type(held.event) is ParsedTokens and held.event.logprobs is not None
+        for held in entry.events
+    )
+
+
+def _completing_token(text_chars: int, texts: list[str], end: int, pushed: int) -> tuple[int, bool]:
+    """How many ids of the chunk it takes for the text (`text_chars` before the chunk) to reach
+    character `end` (the id whose text completed a stop, counted from 1), and whether only the
+    finish flush reaches it (then every pushed id counts)."""
+    reached = text_chars
+    for index, text in enumerate(texts):
+        reached += len(text)
+        if reached >= end:
+            return index + 1, False
+    return pushed, True
+
+
+def _event_of_token(events: Sequence[HeldEvent], count: int) -> int:
+    """The index of the event holding the `count`-th id of the joined chunk (from 1); with no
+    ids (count 0), the first event."""
+    consumed = 0
+    for index, held in enumerate(events):
+        if type(held.event) is ParsedTokens:
+            consumed += len(held.event.token_ids)
+            if count <= consumed and consumed > 0:
+                return index
+    return len(events) - 1 if count else 0
 
 
 def _failing_event_index(events: Sequence[HeldEvent], bad_index: int) -> int:

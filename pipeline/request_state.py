@@ -131,6 +131,19 @@ class _ActiveFields(msgspec.Struct, kw_only=True):
     generated_tokens: Count = 0
     filtered_ids_sent: bool = False
     last_event_at: float = 0.0  # event time of its latest event, in seconds
+    # Decode options (docs/decode-options.md). Stop strings, from the prompt event:
+    stop: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    # The tail of the text deltas have not carried yet: it may still begin a stop string.
+    stop_held: str = ""
+    # Logprob columns, one entry per generated id (`pipeline.logprobs`). `logprobs` is None
+    # until a tokens event is decoded, then whether the request's events carry logprobs.
+    logprobs: bool | None = None
+    lp_ids: list[int] = []
+    lp_values: list[float] = []
+    lp_tops: list[list[tuple[int, float]]] = []
+    lp_offsets: list[Count] = []  # characters of text before each token's text
+    lp_sent: Count = 0  # entries already carried by deltas
 
 
 class ActiveRequest(_ActiveFields, kw_only=True):
@@ -147,6 +160,9 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     text_size: int = 0  # bytes the text takes in a JSON record: what `max_text_bytes` bounds
     held: dict[int, HeldEvent] = {}
     held_bytes: int = 0  # the size of the held events' records, bounded by `max_held_bytes`
+    # Logprob entries deltas carried, kept for the completion; not snapshotted (a restored
+    # request rebuilds them from its columns).
+    lp_built: list[dict[str, Any]] = []
 
     def add_text(self, text: str, size: int | None = None) -> None:
         """Append `text`; `size` is its `json_size` when the caller has it already."""
@@ -155,6 +171,19 @@ class ActiveRequest(_ActiveFields, kw_only=True):
         self.text_parts.append(text)
         self.text_chars += len(text)
         self.text_size += json_size(text) if size is None else size
+
+    def text_tail(self, chars: int) -> str:
+        """The last `chars` characters of the text, without joining the whole of it."""
+        if chars <= 0:
+            return ""
+        parts = self.text_parts
+        taken = 0
+        index = len(parts)
+        while index > 0 and taken < chars:
+            index -= 1
+            taken += len(parts[index])
+        tail = "".join(parts[index:])
+        return tail[len(tail) - chars :] if taken > chars else tail
 
     def text(self) -> str:
         """The whole text. The join is kept as the one part, so parts never pile up between
@@ -192,6 +221,9 @@ class FinishedRequest(msgspec.Struct, kw_only=True, tag_field="kind", tag="finis
 
     last_seq: Seq
     last_event_at: float = 0.0
+    # Ended by a stop string before its finish: later events are counted, not dead-lettered,
+    # until the finish comes (docs/decode-options.md).
+    stopped: bool = False
 
 
 RequestState = ActiveRequest | FailedRequest | FinishedRequest

@@ -100,11 +100,19 @@ class Delta:
     text_offset: int
     text: str
     final: bool = False
+    # The `Logprobs.content` entries of the tokens of seq_start..seq_end, as plain JSON values
+    # in wire field order (`pipeline.logprobs`); None when the input carried no logprobs.
+    logprobs: list[dict[str, object]] | None = None
 
     def absorb(self, later: Delta) -> None:
         self.seq_end = later.seq_end
         self.text += later.text
         self.final = later.final
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = list(later.logprobs)
+            else:
+                self.logprobs += later.logprobs
 
     def to_wire_json(self) -> bytes:
         """The `TextDelta` record, encoded directly: building and dumping the pydantic model
@@ -119,6 +127,7 @@ class Delta:
                 "text_offset": self.text_offset,
                 "text": self.text,
                 "final": self.final,
+                "logprobs": None if self.logprobs is None else {"content": self.logprobs},
             }
         )
 
@@ -136,5 +145,8 @@ class BatchResult:
         default_factory=lambda: {"prompt": 0, "tokens": 0, "finish": 0}
     )
     decoded_tokens: int = 0
+    # Events consumed after a stop string ended their request (the server kept generating):
+    # they produce nothing, and the worker exports their count.
+    events_after_stop: int = 0
     # Request ids whose state changed (or was removed): the worker snapshots exactly these.
     touched: set[str] = field(default_factory=set)

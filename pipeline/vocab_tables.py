@@ -75,7 +75,7 @@ def byte_level_token_bytes(token: str) -> bytes:
         return token.encode("utf-8")
 
 
-def _byte_fallback_value(token: str) -> int | None:
+def byte_fallback_value(token: str) -> int | None:
     """The byte of a `<0xNN>` token as tokenizers' ByteFallback decoder parses it, else None."""
     if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
         digits = token[3:5]
@@ -117,6 +117,9 @@ class TokenizerProfile:
     # The stream class of each skip flag, specialized on first use by `pipeline.decode_stream`
     # (its class attributes are this tokenizer's tables, shared by every stream of it).
     strategies: dict[bool, Any] = field(default_factory=dict)
+    # id -> (the id decoded alone, the bytes of its piece), filled as logprob output meets ids
+    # (`pipeline.logprobs.token_info`): a full walk would cost every tokenizer 150k decodes.
+    token_info: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
 
 # Keyed by id(tokenizer); read directly by `DecodeStream` construction (a hit costs no call).
@@ -178,7 +181,7 @@ def build_profile(tokenizer: Tokenizer, *, allow_pure: bool = True) -> Tokenizer
             pure[skip] = _spm_byte_fallback_decoder(tokens, spm_table[skip])
     byte_token = bytearray(size)
     for i, token in enumerate(tokens):
-        if token is not None and _byte_fallback_value(token) is not None:
+        if token is not None and byte_fallback_value(token) is not None:
             byte_token[i] = 1
     return TokenizerProfile(
         tokenizer=tokenizer,
@@ -227,7 +230,7 @@ def _spm_pieces(tokens: list[str | None], skipped: frozenset[int]) -> list[bytes
         elif not token:
             pieces.append(EMPTY_TOKEN_PIECE)
         else:
-            value = _byte_fallback_value(token)
+            value = byte_fallback_value(token)
             pieces.append(bytes([value]) if value is not None else token.replace("▁", " ").encode())
     return pieces
 
@@ -248,7 +251,7 @@ def _spm_byte_fallback_decoder(
     """
     byte_of: list[int] = []  # the byte of a (not skipped) `<0xNN>` token, or -1
     for token, piece in zip(tokens, pieces, strict=True):
-        value = _byte_fallback_value(token) if token is not None and piece else None
+        value = byte_fallback_value(token) if token is not None and piece else None
         byte_of.append(-1 if value is None else value)
     lookup = pieces.__getitem__
 

@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 # Token ids are u32 on every inference server and in `tokenizers`; anything else is rejected at
 # the edge so that no OverflowError/TypeError can ever come out of the tokenizer.
@@ -23,6 +23,29 @@ MAX_TOKEN_ID = 2**32 - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 RequestId = Annotated[str, Field(min_length=1, max_length=512)]
 ModelName = Annotated[str, Field(min_length=1, max_length=256)]
+
+# Decode options (docs/decode-options.md). The bounds keep one request's matching work and state
+# small whatever a producer sends: 64 strings of 1,024 characters is more than any server allows
+# (OpenAI: 4 strings), and a hold-back never exceeds the longest string.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+# OpenAI and vLLM's defaults cap top_logprobs at 20; each alternative is decoded into the output.
+MAX_TOP_LOGPROBS = 20
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopStrings = Annotated[list[StopString], Field(min_length=1, max_length=MAX_STOP_STRINGS)]
+# JSON has no infinities; a producer holding -inf must send a finite floor (vLLM sends -9999.0).
+Logprob = Annotated[float, Field(allow_inf_nan=False)]
+TopLogprobPairs = Annotated[list[tuple[TokenId, Logprob]], Field(max_length=MAX_TOP_LOGPROBS)]
+Byte = Annotated[int, Field(ge=0, le=255)]
+
+
+def check_aligned(
+    ids: list[int], logprobs: list | None, top_logprobs: list | None, prefix: str = ""
+) -> None:
+    """Logprob lists carry one entry per id: a shorter or longer list cannot be attributed."""
+    for name, values in ((f"{prefix}logprobs", logprobs), (f"{prefix}top_logprobs", top_logprobs)):
+        if values is not None and len(values) != len(ids):
+            raise ValueError(f"{name} has {len(values)} entries for {len(ids)} token ids")
 
 
 class _Wire(BaseModel):
@@ -39,6 +62,8 @@ class PromptEvent(_Wire):
     seq: Literal[0] = 0
     prompt_token_ids: list[TokenId]
     skip_special_tokens: bool = True
+    stop: StopStrings | None = None
+    include_stop_str_in_output: bool = False
 
 
 class TokensEvent(_Wire):
@@ -48,6 +73,13 @@ class TokensEvent(_Wire):
     request_id: RequestId
     seq: Annotated[int, Field(ge=1)]
     token_ids: list[TokenId]
+    logprobs: list[Logprob] | None = None
+    top_logprobs: list[TopLogprobPairs] | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> TokensEvent:
+        check_aligned(self.token_ids, self.logprobs, self.top_logprobs)
+        return self
 
 
 class FinishEvent(_Wire):
@@ -61,6 +93,35 @@ class FinishEvent(_Wire):
 
 InputEvent = Annotated[PromptEvent | TokensEvent | FinishEvent, Field(discriminator="type")]
 INPUT_EVENT_ADAPTER: TypeAdapter[PromptEvent | TokensEvent | FinishEvent] = TypeAdapter(InputEvent)
+
+
+class TopLogprob(_Wire):
+    """One alternative at a sampled position: its id, its string and bytes alone, its logprob."""
+
+    id: TokenId
+    token: str
+    bytes: list[Byte]
+    logprob: float
+
+
+class TokenLogprob(_Wire):
+    """One sampled token: `token`/`bytes` are the id alone (special tokens shown), `text` what
+    it adds to the completion in context (empty while a character is incomplete), `text_offset`
+    the characters of the completion before that text."""
+
+    id: TokenId
+    token: str
+    bytes: list[Byte]
+    text: str
+    text_offset: Annotated[int, Field(ge=0)]
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+class Logprobs(_Wire):
+    """Per sampled token, in order (OpenAI's `choices[].logprobs.content` shape)."""
+
+    content: list[TokenLogprob]
 
 
 class TextDelta(_Wire):
@@ -82,6 +143,7 @@ class TextDelta(_Wire):
     text_offset: Annotated[int, Field(ge=0)]
     text: str
     final: bool = False
+    logprobs: Logprobs | None = None
 
 
 class Completion(_Wire):
@@ -97,6 +159,9 @@ class Completion(_Wire):
     generated_tokens: Annotated[int, Field(ge=0)]
     filtered_prompt_ids: list[TokenId] = []
     error: str | None = None
+    # The stop string that ended the request (`finish_reason` is then "stop").
+    stop_reason: str | None = None
+    logprobs: Logprobs | None = None
 
 
 class FilteredIdsRecord(_Wire):
@@ -148,6 +213,8 @@ class DeadLetterRecord(_Wire):
     error_class: str
     error: str
     line: int | None = None
+    # A table input's row (counted from 0 across the file) where a text input has its line.
+    row: int | None = None
     request_id: str | None = None
     seq: int | None = None
     original: str
@@ -162,6 +229,17 @@ class LoggedGeneration(_Wire):
     output_token_ids: list[TokenId]
     skip_special_tokens: bool = True
     finish_reason: str | None = None
+    stop: StopStrings | None = None
+    include_stop_str_in_output: bool = False
+    output_logprobs: list[Logprob] | None = None
+    output_top_logprobs: list[TopLogprobPairs] | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> LoggedGeneration:
+        check_aligned(
+            self.output_token_ids, self.output_logprobs, self.output_top_logprobs, "output_"
+        )
+        return self
 
 
 WIRE_MODELS: dict[str, type[BaseModel]] = {
@@ -176,9 +254,17 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
 }
 
 
+def _model_fields(value: object) -> dict[str, object]:
+    """A nested wire model (a completion's `logprobs`) is encoded as its fields, like the top."""
+    if isinstance(value, BaseModel):
+        return value.__dict__
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
 # One msgspec encoder for every record detok writes itself (compact JSON, UTF-8 as is, the same
-# bytes pydantic's `model_dump_json` writes for these plain values).
-encode_json = msgspec.json.Encoder().encode
+# bytes pydantic's `model_dump_json` writes for these plain values; a float with a positive
+# exponent is spelled `1e17` rather than pydantic's `1e+17`, the same JSON number).
+encode_json = msgspec.json.Encoder(enc_hook=_model_fields).encode
 
 
 def dump_json(model: BaseModel) -> bytes:

@@ -17,12 +17,23 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from schemas.events import MAX_TOKEN_ID, encode_json
+from schemas.events import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_ID,
+    MAX_TOP_LOGPROBS,
+    check_aligned,
+    encode_json,
+)
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 GeneratedSeq = Annotated[int, msgspec.Meta(ge=1)]
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+StopStrings = Annotated[list[StopString], msgspec.Meta(min_length=1, max_length=MAX_STOP_STRINGS)]
+# msgspec's JSON decoder refuses NaN, Infinity and out-of-range numbers, as the models do.
+TopLogprobPairs = Annotated[list[tuple[TokenId, float]], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)]
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -37,18 +48,31 @@ class ParsedPrompt(_Event, kw_only=True, tag="prompt"):
     seq: Literal[0] = 0
     prompt_token_ids: list[TokenId]
     skip_special_tokens: bool = True
+    stop: StopStrings | None = None
+    include_stop_str_in_output: bool = False
 
     type = "prompt"
 
 
-class ParsedTokens(_Event, kw_only=True, tag="tokens"):
-    """A chunk of generated ids, in order: seq n follows seq n-1."""
+class ParsedTokens(_Event, kw_only=True, tag="tokens", omit_defaults=True):
+    """A chunk of generated ids, in order: seq n follows seq n-1.
+
+    Absent logprobs are not written (`omit_defaults`): tokens events are most of the input
+    topic's records, and two nulls on each would cost every producer without the option.
+    """
 
     request_id: RequestId
     seq: GeneratedSeq
     token_ids: list[TokenId]
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobPairs] | None = None
 
     type = "tokens"
+
+    def __post_init__(self) -> None:
+        # Two None checks when a chunk has no logprobs: the common case pays nothing more.
+        if self.logprobs is not None or self.top_logprobs is not None:
+            check_aligned(self.token_ids, self.logprobs, self.top_logprobs)
 
 
 class ParsedFinish(_Event, kw_only=True, tag="finish"):

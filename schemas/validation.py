@@ -14,7 +14,9 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from schemas.events import INPUT_EVENT_ADAPTER, DeadLetterReason
 from schemas.fast_events import ParsedEvent, decode_event, event_from_json
 
-_TOKEN_ID_FIELDS = frozenset({"prompt_token_ids", "token_ids", "output_token_ids"})
+_TOKEN_ID_FIELDS = frozenset(
+    {"prompt_token_ids", "token_ids", "output_token_ids", "top_logprobs", "output_top_logprobs"}
+)
 _RANGE_ERRORS = frozenset({"greater_than_equal", "less_than_equal"})
 # pydantic lists every failing element (a 100k-id chunk of strings: a multi-megabyte message);
 # the first few kilobytes always name the cause, and the message travels in a header.

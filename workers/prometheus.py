@@ -83,6 +83,11 @@ class PrometheusMetrics:
         self.duplicates = Counter(
             "detok_duplicate_events", "Input events dropped as duplicates", registry=r
         )
+        self.events_after_stop = Counter(
+            "detok_events_after_stop",
+            "Input events consumed without output after a stop string ended their request",
+            registry=r,
+        )
         self.transactions = Counter(
             "detok_transactions", "Commits, by outcome", ["outcome"], registry=r
         )
@@ -169,6 +174,7 @@ class PrometheusMetrics:
                 self.events_consumed.labels(type=event_type).inc(count)
         self.tokens_decoded.inc(result.decoded_tokens)
         self.duplicates.inc(result.duplicates)
+        self.events_after_stop.inc(result.events_after_stop)
         self.batch_size.observe(events)
         self.decode_duration.observe(seconds)
 

@@ -1,9 +1,10 @@
 """`detok replay` and `detok collect`: logged generations onto Kafka, completions back off it.
 
-Replay cuts every logged generation into the events an inference server would have sent (the same
+Replay reads logged generations through `workers.formats` (JSONL, Parquet, OpenAI batch output),
+cuts every one into the events an inference server would have sent (the same
 cut as `detok run`), interleaves requests the way concurrent generations interleave, and produces
 them keyed by request id with Java's murmur2 partitioner. Collect reads the completions topic
-(read_committed) into the JSONL format of `detok run`, so the two can be compared line for line.
+(read_committed) into `detok run`'s output formats, so the two can be compared line for line.
 
 Both check the cluster first (KafkaUnavailable, UnknownTopic within METADATA_TIMEOUT_S), and replay
 counts every delivery: it raises UndeliveredRecords, after sending everything it could, when a
@@ -15,18 +16,20 @@ from __future__ import annotations
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaException, Producer, TopicPartition
 from tqdm import tqdm
 
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
-from schemas.events import Completion, LoggedGeneration
+from pipeline.records import SourceRecord
+from schemas.events import Completion
 from schemas.fast_events import encode_event
-from schemas.validation import Rejection, parse_model
+from schemas.validation import Rejection
+from workers.formats import completion_writer, format_of, reading, replacing
 from workers.kafka_clients import (
     METADATA_TIMEOUT_S,
     DeliveryTracker,
@@ -51,37 +54,40 @@ DELIVERY_TIMEOUT_S = 60.0
 REPLAY_PRODUCER_SETTINGS = {"linger.ms": 20, "compression.type": "lz4"}
 
 
+# One Kafka record: key (None for a record that is passed through unkeyed) and value.
+KafkaRecord = tuple[bytes | None, bytes]
+
+
 @dataclass
 class ReplayTotals:
     requests: int = 0
     events: int = 0
     generated_tokens: int = 0
-    invalid_lines: int = 0
+    invalid_records: int = 0
 
 
-def replay_events(lines: Iterator[bytes], chunk_size: int) -> Iterator[tuple[bytes | None, bytes]]:
-    """(key, value) records for a stream of JSONL lines; invalid lines pass through unkeyed, so
-    the worker dead-letters them exactly as it would a broken producer's record."""
-    window: list[list[tuple[bytes | None, bytes]]] = []
-    for raw in lines:
-        line = raw.rstrip(b"\r\n")
-        if not line.strip():
-            continue
-        parsed = parse_model(LoggedGeneration, line)
-        if isinstance(parsed, Rejection):
-            window.append([(None, line)])
-        else:
-            key = parsed.request_id.encode()
-            window.append([(key, encode_event(e)) for e in generation_events(parsed, chunk_size)])
+def replay_events(records: Iterable[SourceRecord], chunk_size: int) -> Iterator[KafkaRecord]:
+    """Kafka records for a stream of input records, REPLAY_WINDOW requests interleaved."""
+    window: list[list[KafkaRecord]] = []
+    for record in records:
+        window.append(record_events(record, chunk_size))
         if len(window) == REPLAY_WINDOW:
             yield from _interleave(window)
             window = []
     yield from _interleave(window)
 
 
-def _interleave(
-    window: list[list[tuple[bytes | None, bytes]]],
-) -> Iterator[tuple[bytes | None, bytes]]:
+def record_events(record: SourceRecord, chunk_size: int) -> list[KafkaRecord]:
+    """The Kafka records of one input record: its generation's events keyed by request id; an
+    invalid record passes through unkeyed as it was read, so the worker dead-letters it exactly
+    as it would a broken producer's record."""
+    if isinstance(record.parsed, Rejection):
+        return [(None, record.original())]
+    key = record.parsed.request_id.encode()
+    return [(key, encode_event(event)) for event in generation_events(record.parsed, chunk_size)]
+
+
+def _interleave(window: list[list[KafkaRecord]]) -> Iterator[KafkaRecord]:
     for round_records in zip_longest(*window):
         yield from (record for record in round_records if record is not None)
 
@@ -91,53 +97,70 @@ def replay(
     input_path: Path,
     topic: str,
     *,
+    input_format: str | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     rate: float | None = None,
     progress: bool = True,
 ) -> ReplayTotals:
-    """Produce the events of every line of `input_path` to `topic`.
+    """Produce the events of every record of `input_path` to `topic`.
 
     The producer's record limit is the topic's `max.message.bytes`, so a record the broker would
     refuse is refused alone, at once, instead of failing every record batched with it; it is
     counted, and the rest goes on. Raises UndeliveredRecords (after the whole file) if anything
-    was not delivered, KafkaUnavailable or UnknownTopic before producing anything.
+    was not delivered, KafkaUnavailable or UnknownTopic before producing anything, FormatError
+    when the file cannot be read as its format.
     """
-    connection = as_connection(connection)
-    admin = make_admin(connection)
-    topic_partitions(admin, topic, METADATA_TIMEOUT_S)
-    limit = message_limit(admin, topic, METADATA_TIMEOUT_S)
-    producer = make_producer(
-        connection,
-        {
-            **REPLAY_PRODUCER_SETTINGS,
-            **sized_for(limit),
-            "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000),
-        },
-    )
-    tracker = DeliveryTracker()
-    totals = ReplayTotals()
-    started = time.monotonic()
-    with input_path.open("rb") as source:
-        bar = tqdm(desc="replay", unit="ev", file=sys.stderr, disable=not progress)
-        for key, value in replay_events(iter(source), chunk_size):
-            tracker.produce(producer, topic, value, key=key)
-            totals.events += 1
-            if key is None:
-                totals.invalid_lines += 1
-            elif value.startswith(b'{"type":"prompt"'):
-                totals.requests += 1
-            if rate is not None:
-                # Sleep off any lead over the schedule `rate` events per second sets.
-                lead = totals.events / rate - (time.monotonic() - started)
-                if lead > 0:
-                    time.sleep(lead)
-            if totals.events % 1000 == 0:
-                producer.poll(0)
-                bar.update(1000)
-        bar.update(totals.events % 1000)
-        bar.close()
+    # The file is opened (and its format checked) before anything touches the cluster.
+    with reading(input_path, format_of(input_path, input_format), progress=None) as records:
+        connection = as_connection(connection)
+        admin = make_admin(connection)
+        topic_partitions(admin, topic, METADATA_TIMEOUT_S)
+        limit = message_limit(admin, topic, METADATA_TIMEOUT_S)
+        producer = make_producer(
+            connection,
+            {
+                **REPLAY_PRODUCER_SETTINGS,
+                **sized_for(limit),
+                "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000),
+            },
+        )
+        tracker = DeliveryTracker()
+        totals = _produce(
+            producer, tracker, replay_events(records, chunk_size), topic, rate, progress
+        )
     # Past DELIVERY_TIMEOUT_S every record has its report; the margin covers the last callbacks.
     tracker.settle(producer, DELIVERY_TIMEOUT_S + 5)
+    return totals
+
+
+def _produce(
+    producer: Producer,
+    tracker: DeliveryTracker,
+    records: Iterator[KafkaRecord],
+    topic: str,
+    rate: float | None,
+    progress: bool,
+) -> ReplayTotals:
+    totals = ReplayTotals()
+    started = time.monotonic()
+    bar = tqdm(desc="replay", unit="ev", file=sys.stderr, disable=not progress)
+    for key, value in records:
+        tracker.produce(producer, topic, value, key=key)
+        totals.events += 1
+        if key is None:
+            totals.invalid_records += 1
+        elif value.startswith(b'{"type":"prompt"'):
+            totals.requests += 1
+        if rate is not None:
+            # Sleep off any lead over the schedule `rate` events per second sets.
+            lead = totals.events / rate - (time.monotonic() - started)
+            if lead > 0:
+                time.sleep(lead)
+        if totals.events % 1000 == 0:
+            producer.poll(0)
+            bar.update(1000)
+    bar.update(totals.events % 1000)
+    bar.close()
     return totals
 
 
@@ -184,7 +207,17 @@ def collect(
     return completions
 
 
-def write_completions(path: Path, completions: dict[str, Completion]) -> None:
-    with path.open("w", encoding="utf-8") as output:
-        for request_id in sorted(completions):
-            output.write(completions[request_id].model_dump_json() + "\n")
+def write_completions(
+    path: Path, completions: dict[str, Completion], fmt: str = "jsonl", *, created: int = 0
+) -> None:
+    """Every completion, by request id, in `fmt` (an output format of `workers.formats`).
+
+    `created` stamps the OpenAI shapes (their `created` is a Unix time in seconds).
+    """
+    with replacing(path) as temporary:
+        writer = completion_writer(temporary, fmt, created=created)
+        try:
+            for request_id in sorted(completions):
+                writer.write(completions[request_id], None)
+        finally:
+            writer.close()

@@ -25,6 +25,7 @@ from pipeline.offline import run_generations
 from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.conftest import REPO_ROOT, real_tokenizer_path
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
+from workers.formats.jsonl import jsonl_records
 from workers.kafka_clients import KafkaConnection, as_connection
 from workers.replay import replay
 from workers.topic_names import TopicNames
@@ -127,7 +128,7 @@ def offline_completions(path: Path, registry: TokenizerRegistry) -> dict[str, di
     lines = path.read_bytes().splitlines()
     return {
         outcome.completion.request_id: json.loads(outcome.completion.model_dump_json())
-        for outcome in run_generations(lines, registry)
+        for outcome in run_generations(jsonl_records(lines), registry)
         if outcome.completion is not None
     }
 

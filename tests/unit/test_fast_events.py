@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from schemas.events import INPUT_EVENT_ADAPTER, MAX_TOKEN_ID
+from schemas.events import INPUT_EVENT_ADAPTER, MAX_TOKEN_ID, encode_json
 from schemas.fast_events import (
     ParsedFinish,
     ParsedPrompt,
@@ -45,6 +45,30 @@ id_lists = st.one_of(
     st.lists(st.one_of(ints, wrong_types), max_size=4),
     wrong_types,
 )
+# Floats near the bounds JSON and the models set (json.dumps writes inf/nan as Infinity/NaN).
+floats = st.one_of(
+    st.floats(),
+    st.sampled_from([0.0, -0.0, -9999.0, 1e308, -1e308, float("inf"), float("nan")]),
+    st.integers(-3, 3),
+    wrong_types,
+)
+float_lists = st.one_of(st.lists(floats, max_size=6), wrong_types)
+pairs = st.one_of(
+    st.tuples(ints, floats).map(list),
+    st.lists(st.one_of(ints, floats), max_size=3),
+    wrong_types,
+)
+pair_lists = st.one_of(
+    st.lists(st.lists(pairs, max_size=3), max_size=6),
+    st.lists(st.lists(st.tuples(st.integers(0, 9), st.floats(-5, 0)), min_size=19, max_size=21)),
+    wrong_types,
+)
+stop_lists = st.one_of(
+    st.lists(strings, max_size=4),
+    st.lists(st.sampled_from(["a", "\U0001f600" * 1024, "b" * 1025]), max_size=3),
+    st.lists(st.just("x"), min_size=63, max_size=65),
+    wrong_types,
+)
 
 
 def field(values: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -66,6 +90,10 @@ records = st.builds(
             "token_ids": field(id_lists),
             "skip_special_tokens": field(st.booleans()),
             "finish_reason": field(st.one_of(st.none(), strings)),
+            "stop": field(st.one_of(st.none(), stop_lists)),
+            "include_stop_str_in_output": field(st.booleans()),
+            "logprobs": field(st.one_of(st.none(), float_lists)),
+            "top_logprobs": field(st.one_of(st.none(), pair_lists)),
         }
     ),
     st.dictionaries(st.sampled_from(["ts", "extra", "x"]), st.integers(), max_size=2),
@@ -75,14 +103,39 @@ records = st.builds(
 
 valid_ids = st.lists(st.integers(0, MAX_TOKEN_ID), max_size=8)
 valid_text = st.text(min_size=1, max_size=12)
+
+
+def _tokens(request_id: str, seq: int, ids: list[int], with_logprobs: bool, top: int) -> Any:
+    """A tokens event, with logprob lists aligned to its ids when asked."""
+    if not with_logprobs:
+        return ParsedTokens(request_id=request_id, seq=seq, token_ids=ids)
+    return ParsedTokens(
+        request_id=request_id,
+        seq=seq,
+        token_ids=ids,
+        logprobs=[-0.25 * i for i in range(len(ids))],
+        top_logprobs=[[(i, -1.5)] * top for i in ids],
+    )
+
+
 valid_records = st.builds(
     lambda event, extra, order: _ordered(event_to_json(event), extra, order),
     st.one_of(
         st.builds(
-            ParsedPrompt, request_id=valid_text, model=valid_text, prompt_token_ids=valid_ids
+            ParsedPrompt,
+            request_id=valid_text,
+            model=valid_text,
+            prompt_token_ids=valid_ids,
+            stop=st.one_of(st.none(), st.lists(valid_text, min_size=1, max_size=3)),
+            include_stop_str_in_output=st.booleans(),
         ),
         st.builds(
-            ParsedTokens, request_id=valid_text, seq=st.integers(1, 2**40), token_ids=valid_ids
+            _tokens,
+            valid_text,
+            st.integers(1, 2**40),
+            valid_ids,
+            st.booleans(),
+            st.integers(0, 20),
         ),
         st.builds(
             ParsedFinish,
@@ -114,7 +167,7 @@ def _contract(raw: bytes) -> dict[str, Any] | None:
 def test_msgspec_accepts_only_what_the_contract_accepts(raw: bytes) -> None:
     contract = _contract(raw)
     try:
-        fast = event_to_json(decode_event(raw))
+        fast = _plain(decode_event(raw))
     except Exception:
         fast = None
     if fast is not None:
@@ -123,7 +176,14 @@ def test_msgspec_accepts_only_what_the_contract_accepts(raw: bytes) -> None:
     if contract is None:
         assert isinstance(parsed, Rejection)
     else:
-        assert event_to_json(parsed) == contract
+        assert _plain(parsed) == contract
+
+
+def _plain(event: Any) -> Any:
+    """Every field of the event as JSON values, defaults included (the encoder leaves absent
+    logprobs out; a top-logprob pair is a tuple in the Struct, a list in JSON)."""
+    fields = {name: getattr(event, name) for name in event.__struct_fields__}
+    return json.loads(encode_json({"type": event.type, **fields}))
 
 
 @given(st.binary(max_size=40).map(lambda tail: b'{"type":"tokens","request_id":"r",' + tail))
@@ -141,10 +201,27 @@ def test_inputs_only_the_contract_accepts_still_parse() -> None:
 def test_encoding_is_what_the_contract_writes() -> None:
     events = [
         ParsedPrompt(request_id="r", model="m", prompt_token_ids=[1, 2]),
+        ParsedPrompt(
+            request_id="r",
+            model="m",
+            prompt_token_ids=[1],
+            stop=["\n\n", "END"],
+            include_stop_str_in_output=True,
+        ),
         ParsedTokens(request_id="r", seq=1, token_ids=[3]),
+        ParsedTokens(
+            request_id="r", seq=1, token_ids=[3, 4], logprobs=[-0.5, 0.0], top_logprobs=[[], []]
+        ),
         ParsedFinish(request_id="r", seq=2, finish_reason="stop"),
     ]
     for event in events:
         wire = encode_event(event)
-        assert wire == INPUT_EVENT_ADAPTER.validate_json(wire).model_dump_json().encode()
+        model = INPUT_EVENT_ADAPTER.validate_json(wire)
+        # A tokens event leaves out absent logprobs; every other field is written as is.
+        omitted = {
+            name
+            for name in ("logprobs", "top_logprobs")
+            if isinstance(event, ParsedTokens) and getattr(model, name) is None
+        }
+        assert wire == model.model_dump_json(exclude=omitted).encode()
         assert event_from_json(event_to_json(event)) == event

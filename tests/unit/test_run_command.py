@@ -175,11 +175,11 @@ def test_existing_outputs_survive_a_run_that_fails_midway(
 def test_a_file_in_which_no_line_parses_is_an_error(
     tmp_path: Path, tokenizer_file: Path, capsys
 ) -> None:
-    source = tmp_path / "data.parquet"
+    source = tmp_path / "data.bin"
     source.write_bytes(b"PAR1\x15\x04\x15\x10\x15\x14L\x15\x02\x15\x00\x12\x00\x00\nPAR1\xff\n")
     assert detok_run(f"bytes={tokenizer_file}", source, tmp_path / "out.jsonl") == 1
     err = capsys.readouterr().err
-    assert "0 completions" in err and "no line of" in err and "JSONL" in err
+    assert "0 completions" in err and "no record of" in err and "jsonl file" in err
 
 
 def test_an_empty_input_is_fine(tmp_path: Path, tokenizer_file: Path) -> None:

@@ -14,6 +14,9 @@ from schemas.events import (
     DeadLetterReason,
     FilteredIdsRecord,
     LoggedGeneration,
+    Logprobs,
+    TokenLogprob,
+    TopLogprob,
     dump_json,
 )
 from schemas.export import SCHEMA_DIR, rendered_schemas
@@ -53,6 +56,31 @@ def test_events_are_discriminated_by_type() -> None:
         (b'{"type":"banana","request_id":"r"}', "schema_violation"),
         (b'{"type":"tokens","request_id":"","seq":1,"token_ids":[1]}', "schema_violation"),
         (b"[1, 2, 3]", "schema_violation"),
+        (
+            b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1,2],"logprobs":[-1.0]}',
+            "schema_violation",
+        ),
+        (
+            b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1],"top_logprobs":[[],[]]}',
+            "schema_violation",
+        ),
+        (
+            b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1],'
+            b'"top_logprobs":[[[4294967296,-0.5]]]}',
+            "token_id_out_of_range",
+        ),
+        (
+            b'{"type":"tokens","request_id":"r","seq":1,"token_ids":[1],"logprobs":[NaN]}',
+            "schema_violation",
+        ),
+        (
+            b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[],"stop":[]}',
+            "schema_violation",
+        ),
+        (
+            b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[],"stop":[""]}',
+            "schema_violation",
+        ),
     ],
 )
 def test_bad_records_are_rejected_with_a_reason(raw: bytes, reason: str) -> None:
@@ -105,6 +133,47 @@ def test_dump_json_is_model_dump_json(text: str, error: str | None, ids: list[in
     )
     for model in (completion, metric):
         assert dump_json(model) == model.model_dump_json().encode()
+
+
+def test_logged_generation_logprobs_align_with_output_ids() -> None:
+    line = (
+        b'{"request_id":"r","model":"m","prompt_token_ids":[1],"output_token_ids":[2,3],'
+        b'"output_logprobs":[-0.5]}'
+    )
+    parsed = parse_model(LoggedGeneration, line)
+    assert isinstance(parsed, Rejection)
+    assert parsed.reason is DeadLetterReason.SCHEMA_VIOLATION
+    assert "output_logprobs has 1 entries for 2 token ids" in parsed.message
+
+
+@given(
+    logprob=st.floats(-1e15, 0.0),
+    token=st.text(max_size=4),
+    raw=st.binary(max_size=4),
+)
+def test_dump_json_writes_nested_logprobs_like_pydantic(logprob: float, token: str, raw) -> None:
+    alternative = TopLogprob(id=7, token=token, bytes=list(raw), logprob=logprob)
+    entry = TokenLogprob(
+        id=3,
+        token=token,
+        bytes=list(raw),
+        text=token,
+        text_offset=0,
+        logprob=logprob,
+        top_logprobs=[alternative],
+    )
+    completion = Completion(
+        request_id="r",
+        model="m",
+        text=token,
+        status="ok",
+        finish_reason="stop",
+        prompt_tokens=1,
+        generated_tokens=1,
+        stop_reason="\n",
+        logprobs=Logprobs(content=[entry]),
+    )
+    assert dump_json(completion) == completion.model_dump_json().encode()
 
 
 def test_a_deeply_nested_field_is_rejected_not_raised() -> None:

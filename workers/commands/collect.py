@@ -1,12 +1,14 @@
-"""`detok collect`: completions from Kafka into JSONL (the format of `detok run`)."""
+"""`detok collect`: completions from Kafka into a file, in `detok run`'s output formats."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from workers.commands import failures
+from workers.commands.format_options import add_format_options
 from workers.commands.options import (
     add_connection_options,
     add_topic_options,
@@ -15,16 +17,20 @@ from workers.commands.options import (
     positive_int,
     topic_names_from,
 )
+from workers.formats import OUTPUT_FORMATS, format_of, require
+from workers.formats.base import FormatError
 from workers.replay import collect, write_completions
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "collect", help="read completions into JSONL (the format of detok run), by request id"
+        "collect",
+        help="read completions into a file (the formats of detok run), by request id",
     )
     add_connection_options(parser)
     add_topic_options(parser, ("completions",), topic_alias=True)
-    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--output", required=True, type=Path, help="completions (.jsonl, .parquet)")
+    add_format_options(parser, output_formats=OUTPUT_FORMATS)
     parser.add_argument("--expect", type=positive_int, help="stop after this many completions")
     parser.add_argument(
         "--timeout",
@@ -37,6 +43,12 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     topic = topic_names_from(args).completions
+    fmt = format_of(args.output, args.output_format)
+    try:
+        require(fmt)
+    except FormatError as error:
+        print(f"detok collect: {error}", file=sys.stderr)
+        return 2
     try:
         completions = collect(
             connection_from(args), topic, expect=args.expect, idle_timeout_s=args.timeout
@@ -44,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     except failures.KAFKA_FAILURES as error:
         return failures.report("collect", error)
     try:
-        write_completions(args.output, completions)
-    except OSError as error:
+        write_completions(args.output, completions, fmt, created=int(time.time()))
+    except (OSError, FormatError) as error:
         print(f"detok collect: {error}", file=sys.stderr)
         return 2
     print(f"collected {len(completions)} completions -> {args.output}")

@@ -1,4 +1,5 @@
-"""`detok replay`: logged generations (the input of `detok run`) as events onto the input topic."""
+"""`detok replay`: logged generations (the input of `detok run`, in any of its formats) as events
+onto the input topic."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 from pipeline.generations import DEFAULT_CHUNK_SIZE
 from workers.commands import failures
+from workers.commands.format_options import add_format_options
 from workers.commands.options import (
     add_connection_options,
     add_topic_options,
@@ -16,6 +18,8 @@ from workers.commands.options import (
     readable_file,
     topic_names_from,
 )
+from workers.formats import INPUT_FORMATS
+from workers.formats.base import FormatError
 from workers.replay import replay
 
 
@@ -29,7 +33,15 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     add_connection_options(parser)
     add_topic_options(parser, ("input",), topic_alias=True)
-    parser.add_argument("--input", required=True, type=readable_file, metavar="FILE")
+    parser.add_argument(
+        "--input",
+        required=True,
+        type=readable_file,
+        metavar="FILE",
+        help="logged generations (.jsonl, .parquet, or an OpenAI batch output file with token "
+        "ids: --input-format openai-batch)",
+    )
+    add_format_options(parser, input_formats=INPUT_FORMATS)
     parser.add_argument(
         "--chunk-size", type=positive_int, default=DEFAULT_CHUNK_SIZE, metavar="N",
         help="generated ids per tokens event",
@@ -47,14 +59,18 @@ def run(args: argparse.Namespace) -> int:
             connection_from(args),
             args.input,
             topic,
+            input_format=args.input_format,
             chunk_size=args.chunk_size,
             rate=args.rate,
             progress=sys.stderr.isatty(),
         )
     except failures.KAFKA_FAILURES as error:
         return failures.report("replay", error)
+    except (OSError, FormatError) as error:
+        print(f"detok replay: {error}", file=sys.stderr)
+        return 2
     print(
         f"replayed {totals.requests} requests as {totals.events} events "
-        f"({totals.invalid_lines} invalid lines passed through) to {topic}"
+        f"({totals.invalid_records} invalid records passed through) to {topic}"
     )
     return 0

@@ -1,7 +1,7 @@
-"""`detok run`: decode a JSONL file of logged generations offline, with the worker's processor.
+"""`detok run`: decode a file of logged generations offline, with the worker's processor.
 
-The decoding is `pipeline.offline.run_generations`; this module owns the files. Two rules keep a
-run from destroying data:
+The decoding is `pipeline.offline.run_generations`, the formats `workers.formats`; this module
+owns the files. Two rules keep a run from destroying data:
 
 - The input, the output and the dead-letter file must be three different files (compared as
   resolved paths and, when they exist, as the same inode). Writing one path that is also read
@@ -16,27 +16,33 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, TextIO
-
-from tqdm import tqdm
+from typing import TextIO
 
 from pipeline.generations import DEFAULT_CHUNK_SIZE
-from pipeline.offline import LineOutcome, run_generations
+from pipeline.offline import Outcome, run_generations
 from pipeline.tokenizer_registry import TokenizerSpecError
 from schemas.events import DeadLetterRecord
+from workers.commands.format_options import add_format_options
 from workers.commands.options import (
     add_tokenizer_options,
     positive_int,
     readable_file,
     registry_from,
 )
+from workers.formats import (
+    INPUT_FORMATS,
+    OUTPUT_FORMATS,
+    completion_writer,
+    format_of,
+    reading,
+    replacing,
+)
+from workers.formats.base import CompletionWriter, FormatError, RequestFailure
 
-# Inputs smaller than this finish before a progress bar would tell anyone anything.
-PROGRESS_MIN_BYTES = 4 * 1024 * 1024
 DEAD_LETTER_SUFFIX = ".dead-letters.jsonl"
 
 
@@ -47,16 +53,17 @@ class PathConflict(ValueError):
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run",
-        help="decode logged generations from a JSONL file (no Kafka)",
-        description="Decode logged generations (one JSON object per line: request_id, model, "
-        "prompt_token_ids, output_token_ids, optional skip_special_tokens and finish_reason) "
-        "into completions, one per request, in input order.",
+        help="decode logged generations from a JSONL or Parquet file (no Kafka)",
+        description="Decode logged generations (request_id, model, prompt_token_ids, "
+        "output_token_ids, optional skip_special_tokens and finish_reason: one JSON object per "
+        "line, or one Parquet row) into completions, one per request, in input order.",
     )
     add_tokenizer_options(parser)
     parser.add_argument(
-        "--input", required=True, type=readable_file, help="logged generations (JSONL)"
+        "--input", required=True, type=readable_file, help="logged generations (.jsonl, .parquet)"
     )
-    parser.add_argument("--output", required=True, type=Path, help="completions (JSONL)")
+    parser.add_argument("--output", required=True, type=Path, help="completions (.jsonl, .parquet)")
+    add_format_options(parser, input_formats=INPUT_FORMATS, output_formats=OUTPUT_FORMATS)
     parser.add_argument(
         "--chunk-size",
         type=positive_int,
@@ -68,7 +75,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "--dead-letter",
         type=Path,
         metavar="FILE",
-        help=f"where rejected lines go (default: OUTPUT with {DEAD_LETTER_SUFFIX})",
+        help=f"where rejected records go, as JSONL (default: OUTPUT with {DEAD_LETTER_SUFFIX})",
     )
     parser.set_defaults(func=run)
 
@@ -111,28 +118,24 @@ def run(args: argparse.Namespace) -> int:
     except PathConflict as error:
         print(f"detok run: {error}", file=sys.stderr)
         return 2
+    input_format = format_of(args.input, args.input_format)
+    output_format = format_of(args.output, args.output_format)
     try:
-        size = args.input.stat().st_size
         with (
-            args.input.open("rb") as source,
-            _replacing(args.output) as output,
-            _replacing(dead_letter_path) as dead_letters,
+            reading(args.input, input_format, progress="detok run") as records,
+            replacing(args.output) as output_path,
+            replacing(dead_letter_path) as dead_letter_file,
+            dead_letter_file.open("x", encoding="utf-8") as dead_letters,
         ):
-            progress = (
-                tqdm(total=size, unit="B", unit_scale=True, desc="detok run", file=sys.stderr)
-                if size >= PROGRESS_MIN_BYTES
-                else None
-            )
             outcomes = run_generations(
-                _lines(source, progress),
-                registry,
-                source=str(args.input),
-                chunk_size=args.chunk_size,
+                records, registry, source=str(args.input), chunk_size=args.chunk_size
             )
-            totals = _write(outcomes, output, dead_letters)
-            if progress is not None:
-                progress.close()
-    except OSError as error:
+            output = completion_writer(output_path, output_format, created=int(time.time()))
+            try:
+                totals = _write(outcomes, output, dead_letters)
+            finally:
+                output.close()
+    except (OSError, FormatError) as error:
         print(f"detok run: {error}", file=sys.stderr)
         return 2
     reasons = ", ".join(f"{k[3:]}={v}" for k, v in sorted(totals.items()) if k.startswith("dl:"))
@@ -143,62 +146,42 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if totals["completions"] == 0 and totals["dead_letters"] > 0:
-        # Every line was rejected. Exit 0 would let a script go on as if something had been
-        # decoded; when no line even parsed, the file is most likely not JSONL at all (Parquet).
+        # Every record was rejected. Exit 0 would let a script go on as if something had been
+        # decoded; when no record even parsed, the file is most likely in another format.
         unparsed = totals["dl:malformed_json"] + totals["dl:schema_violation"]
         hint = (
-            "; is it a JSONL file of logged generations?"
+            f"; is it a {input_format} file of logged generations (--input-format)?"
             if unparsed == totals["dead_letters"]
             else ""
         )
-        print(f"detok run: no line of {args.input} gave a completion{hint}", file=sys.stderr)
+        print(f"detok run: no record of {args.input} gave a completion{hint}", file=sys.stderr)
         return 1
     return 0
 
 
-@contextmanager
-def _replacing(path: Path) -> Iterator[TextIO]:
-    """A text file that replaces `path` when the block ends cleanly and vanishes on an error.
-
-    The temporary file sits beside `path` (so the rename is atomic on one file system) and is
-    created exclusively, with the permissions a plain `open` would give.
-    """
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with temporary.open("x", encoding="utf-8") as handle:
-            yield handle
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def _lines(handle: BinaryIO, progress: tqdm | None) -> Iterator[bytes]:
-    for line in handle:
-        if progress is not None:
-            progress.update(len(line))
-        yield line
-
-
-def _write(outcomes: Iterator[LineOutcome], output: TextIO, dead_letters: TextIO) -> Counter:
+def _write(outcomes: Iterator[Outcome], output: CompletionWriter, dead_letters: TextIO) -> Counter:
     totals: Counter = Counter(completions=0, failed=0, dead_letters=0)
     for outcome in outcomes:
-        if outcome.completion is not None:
-            output.write(outcome.completion.model_dump_json() + "\n")
+        completion, letter = outcome.completion, outcome.dead_letter
+        if completion is not None:
             totals["completions"] += 1
-            totals["failed"] += outcome.completion.status == "failed"
-        letter = outcome.dead_letter
+            totals["failed"] += completion.status == "failed"
+        failure = None
         if letter is not None:
             record = DeadLetterRecord(
                 reason=letter.reason,
                 error_class=letter.error_class,
                 error=letter.message,
-                line=outcome.line,
+                line=outcome.position.line,
+                row=outcome.position.row,
                 request_id=letter.request_id,
                 seq=letter.seq,
-                original=letter.value.decode("utf-8", errors="replace"),
+                original=(letter.value or b"").decode("utf-8", errors="replace"),
             )
             dead_letters.write(record.model_dump_json() + "\n")
             totals["dead_letters"] += 1
             totals[f"dl:{letter.reason.value}"] += 1
+            if letter.request_id is not None:
+                failure = RequestFailure(letter.request_id, letter.reason.value, letter.message)
+        output.write(completion, failure)
     return totals

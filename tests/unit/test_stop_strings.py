@@ -1,0 +1,165 @@
+"""The stop-string matcher against brute force, and stop strings / logprobs in the processor
+(docs/decode-options.md): events after a stop, restore, hold-back, and bad logprob input."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.processor import RequestProcessor
+from pipeline.stop_strings import StopMatcher
+from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import Logprobs, dump_json
+from schemas.fast_events import ParsedPrompt, ParsedTokens
+from tests.unit.request_events import bytes_registry, finish, ids, reasons, run, run_records, tokens
+
+alphabet = st.text(alphabet="ab\u00e9\n", max_size=12)
+stop_lists = st.lists(
+    st.text(alphabet="ab\u00e9\n", min_size=1, max_size=4), min_size=1, max_size=4
+)
+
+
+@given(alphabet, stop_lists)
+def test_find_is_the_smallest_end_and_the_longest_there(text: str, stops: list[str]) -> None:
+    expected = None
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            stop = max(ending, key=len)
+            expected = (stop, end - len(stop), end)
+            break
+    match = StopMatcher(stops).find(text)
+    assert (None if match is None else tuple(match)) == expected
+
+
+@given(alphabet, stop_lists)
+def test_held_length_is_the_longest_suffix_that_is_a_proper_prefix(text, stops) -> None:
+    expected = max(
+        (
+            n
+            for n in range(1, len(text) + 1)
+            for s in stops
+            if len(s) > n and s.startswith(text[-n:])
+        ),
+        default=0,
+    )
+    assert StopMatcher(stops).held_length(text) == expected
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> TokenizerRegistry:
+    return bytes_registry(tmp_path_factory.mktemp("tok"))
+
+
+def stop_prompt(stop: list[str], include: bool = False) -> ParsedPrompt:
+    return ParsedPrompt(
+        request_id="r",
+        model="bytes",
+        prompt_token_ids=ids("Hi"),
+        stop=stop,
+        include_stop_str_in_output=include,
+    )
+
+
+def test_hold_back_is_only_what_may_begin_a_stop(registry) -> None:
+    processor = RequestProcessor(registry)
+    first = run(processor, stop_prompt(["</end>", "STOP"]), tokens(1, "text </e"))
+    assert [d.text for d in first.deltas] == ["text "]
+    second = run(processor, tokens(2, "x and S"))
+    assert [d.text for d in second.deltas] == ["</ex and "]
+    third = run(processor, tokens(3, "TOP more"), finish(4))
+    assert [d.text for d in third.deltas] == [""]
+    (completion,) = third.completions
+    assert completion.text == "text </ex and "
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "STOP")
+    assert completion.generated_tokens == len(ids("text </ex and STOP"))
+    # The finish in the same batch after the stop: consumed, and the marker is a plain one.
+    assert third.events_after_stop == 1
+    assert reasons(run(processor, tokens(5, "late"))) == ["event_after_finish"]
+
+
+def test_without_stop_strings_nothing_is_held(registry) -> None:
+    processor = RequestProcessor(registry)
+    result = run(processor, stop_prompt(["zz"]), tokens(1, "abc z"))
+    assert [d.text for d in result.deltas] == ["abc "]
+    plain = run(
+        RequestProcessor(registry),
+        stop_prompt(["x"]).__class__(request_id="r", model="bytes", prompt_token_ids=ids("Hi")),
+        tokens(1, "abc z"),
+    )
+    assert [d.text for d in plain.deltas] == ["abc z"]
+
+
+def test_events_after_a_stop_are_counted_across_restore(registry) -> None:
+    processor = RequestProcessor(registry)
+    result = run(processor, stop_prompt(["\n\n"], include=True), tokens(1, "one\n\ntwo"))
+    (completion,) = result.completions
+    assert completion.text == "one\n\n" and completion.stop_reason == "\n\n"
+    assert [d.text for d in result.deltas] == ["one\n\n"] and result.deltas[0].final
+    restored = RequestProcessor(registry)
+    restored.restore("r", processor.snapshot("r"))
+    later = run_records(restored, tokens(2, "more"), tokens(3, "x"), finish(4))
+    assert later.deltas == [] and later.completions == [] and later.dead_letters == []
+    assert later.events_after_stop == 3
+    assert reasons(run(restored, tokens(5, "x"))) == ["event_after_finish"]
+
+
+def test_held_text_survives_restore(registry) -> None:
+    processor = RequestProcessor(registry)
+    first = run(processor, stop_prompt(["abc"]), tokens(1, "xxab"))
+    assert [d.text for d in first.deltas] == ["xx"]
+    restored = RequestProcessor(registry)
+    restored.restore("r", processor.snapshot("r"))
+    second = run(restored, tokens(2, "d"), finish(3))
+    assert [d.text for d in second.deltas] == ["abd"]
+    assert second.completions[0].text == "xxabd"
+
+
+def logprob_tokens(seq: int, text: str, tops: list | None = None) -> ParsedTokens:
+    token_ids = ids(text)
+    return ParsedTokens(
+        request_id="r",
+        seq=seq,
+        token_ids=token_ids,
+        logprobs=[-1.0] * len(token_ids),
+        top_logprobs=tops if tops is not None else [[(i, -2.0)] for i in token_ids],
+    )
+
+
+def test_logprob_entries_attribute_characters_to_the_completing_token(registry) -> None:
+    processor = RequestProcessor(registry)
+    result = run(processor, stop_prompt(["zz"]), logprob_tokens(1, "a€"), finish(2))
+    content = result.completions[0].logprobs.content
+    assert [e.text for e in content] == ["a", "", "", "€"]
+    assert [e.text_offset for e in content] == [0, 1, 1, 1]
+    assert [bytes(e.bytes) for e in content] == [b"a", b"\xe2", b"\x82", b"\xac"]
+    assert [d.logprobs for d in result.deltas][0] == [e.model_dump() for e in content]
+    # Built without validation: equal to a validated copy, and dumped without warnings.
+    logprobs = result.completions[0].logprobs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Logprobs.model_validate_json(logprobs.model_dump_json()) == logprobs
+        assert json.loads(result.completions[0].model_dump_json()) == json.loads(
+            dump_json(result.completions[0])
+        )
+
+
+def test_mixed_logprob_presence_fails_the_request(registry) -> None:
+    processor = RequestProcessor(registry)
+    result = run(processor, stop_prompt(["zz"]), logprob_tokens(1, "ab"), tokens(2, "cd"))
+    # The chunk is decoded as one: its other events go with the request.
+    assert reasons(result) == ["schema_violation", "request_already_failed"]
+    assert result.dead_letters[0].seq == 2
+    assert result.completions[0].status == "failed"
+
+
+def test_an_alternative_outside_the_vocabulary_is_out_of_range(registry) -> None:
+    processor = RequestProcessor(registry)
+    bad = logprob_tokens(1, "a", tops=[[(5, -1.0), (25_000, -2.0)]])
+    result = run(processor, stop_prompt(["zz"]), bad)
+    assert reasons(result) == ["token_id_out_of_range"]
+    assert "25000" in result.dead_letters[0].message

@@ -1,0 +1,135 @@
+"""File formats of `detok run`, `detok replay` and `detok collect`, behind one seam.
+
+Readers turn a file into `pipeline.records.SourceRecord`s (a logged generation and its position),
+writers take each request's completion (`base.CompletionWriter`). A format comes from the file's
+extension (`.parquet` is Parquet, anything else detok's JSONL) unless `--input-format` /
+`--output-format` names it; the OpenAI shapes are JSONL files too, so they are always named.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from tqdm import tqdm
+
+from pipeline.records import SourceRecord
+from workers.formats.base import CompletionWriter, LineWriter
+from workers.formats.jsonl import completion_line, jsonl_records
+from workers.formats.openai import batch_output_lines, completion_lines, openai_batch_records
+
+INPUT_FORMATS = ("jsonl", "parquet", "openai-batch")
+OUTPUT_FORMATS = ("jsonl", "parquet", "openai-completion", "openai-batch")
+PARQUET_SUFFIXES = frozenset({".parquet", ".pq"})
+# Inputs smaller than this finish before a progress bar would tell anyone anything.
+PROGRESS_MIN_BYTES = 4 * 1024 * 1024
+# Parquet's progress counts rows; below this many a bar tells nobody anything either.
+PROGRESS_MIN_ROWS = 20_000
+
+
+def format_of(path: Path, given: str | None) -> str:
+    """The format named on the command line, else the one the extension says."""
+    if given is not None:
+        return given
+    return "parquet" if path.suffix.lower() in PARQUET_SUFFIXES else "jsonl"
+
+
+@contextmanager
+def reading(path: Path, fmt: str, *, progress: str | None) -> Iterator[Iterator[SourceRecord]]:
+    """The records of `path`, with a progress bar named `progress` on stderr for inputs large
+    enough to want one (none when `progress` is None). Raises FormatError (MissingExtra) before
+    yielding when the file cannot be read as `fmt`, OSError when it cannot be opened."""
+    if fmt == "parquet":
+        from workers.formats.parquet import parquet_records, parquet_rows
+
+        rows = parquet_rows(path)
+        bar = _bar(progress, rows, "rows", rows >= PROGRESS_MIN_ROWS)
+        try:
+            yield _counted(parquet_records(path), bar)
+        finally:
+            _close(bar)
+        return
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        bar = _bar(progress, size, "B", size >= PROGRESS_MIN_BYTES)
+        try:
+            lines = _lines(handle, bar)
+            yield openai_batch_records(lines) if fmt == "openai-batch" else jsonl_records(lines)
+        finally:
+            _close(bar)
+
+
+def completion_writer(path: Path, fmt: str, *, created: int) -> CompletionWriter:
+    """A writer of `fmt` that creates `path` (which must not exist: it is a temporary file)."""
+    if fmt == "parquet":
+        from workers.formats.parquet import ParquetCompletions
+
+        return ParquetCompletions(path)
+    if fmt == "openai-completion":
+        return LineWriter(path, completion_lines(created))
+    if fmt == "openai-batch":
+        return LineWriter(path, batch_output_lines(created))
+    return LineWriter(path, completion_line)
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary path that replaces `path` when the block ends cleanly and vanishes on an
+    error.
+
+    The temporary file sits beside `path` (so the rename is atomic on one file system); the
+    writer creates it exclusively, with the permissions a plain `open` would give.
+    """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def require(fmt: str) -> None:
+    """Raise MissingExtra now if `fmt` needs a dependency that is not installed (before a
+    command spends minutes on work it could not write)."""
+    if fmt == "parquet":
+        from workers.formats.parquet import require_arrow
+
+        require_arrow()
+
+
+def _bar(desc: str | None, total: int, unit: str, wanted: bool) -> tqdm | None:
+    if desc is None or not wanted:
+        return None
+    scale = unit == "B"
+    return tqdm(total=total, unit=unit, unit_scale=scale, desc=desc, file=sys.stderr)
+
+
+def _close(bar: tqdm | None) -> None:
+    if bar is not None:
+        bar.close()
+
+
+def _lines(handle: BinaryIO, bar: tqdm | None) -> Iterable[bytes]:
+    if bar is None:
+        return handle
+    return _counted_lines(handle, bar)
+
+
+def _counted_lines(handle: BinaryIO, bar: tqdm) -> Iterator[bytes]:
+    for line in handle:
+        bar.update(len(line))
+        yield line
+
+
+def _counted(records: Iterator[SourceRecord], bar: tqdm | None) -> Iterator[SourceRecord]:
+    if bar is None:
+        yield from records
+        return
+    for record in records:
+        bar.update(1)
+        yield record
