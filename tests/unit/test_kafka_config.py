@@ -9,11 +9,12 @@ import types
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from workers import msk_iam
 from workers.cli import build_parser, main
 from workers.commands.options import connection_from, kafka_config_arguments
-from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection
+from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection, RefusalWatch
 from workers.kafka_config import (
     CONFIG_FILE_ENV,
     LEGACY_JSON_ENV,
@@ -262,3 +263,25 @@ def test_help_never_shows_a_secret_from_the_environment(
     words = command[:2] if command[0] in ("topics", "dlq", "acls") else command[:1]
     assert main([*words, "--help"]) == 0
     assert SECRET not in capsys.readouterr().out
+
+
+def test_a_refused_login_or_handshake_is_raised_and_a_stopped_broker_is_not() -> None:
+    watch = RefusalWatch("b:1", {"security.protocol": "SASL_SSL"})
+    for code in (KafkaError._AUTHENTICATION, KafkaError._SSL):
+        with pytest.raises(KafkaException) as raised:
+            watch(KafkaError(code, "refused"))
+        assert raised.value.args[0].code() == code
+    # A stopped broker refuses the connection first: "all brokers down" then means just that.
+    stopped = RefusalWatch("b:1", {})
+    stopped(KafkaError(KafkaError._TRANSPORT, "Connection refused"))
+    stopped(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
+    # A broker that closes every connection unasked is a listener of another protocol.
+    mismatched = RefusalWatch("b:1", {})
+    with pytest.raises(KafkaException, match="this client uses PLAINTEXT"):
+        mismatched(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
+
+
+def test_only_start_up_clients_get_the_refusal_watch() -> None:
+    connection = KafkaConnection("b:1", {})
+    assert "error_cb" not in connection.client_config({})
+    assert isinstance(connection.client_config({}, start_up=True)["error_cb"], RefusalWatch)
