@@ -285,3 +285,11 @@ def test_only_start_up_clients_get_the_refusal_watch() -> None:
     connection = KafkaConnection("b:1", {})
     assert "error_cb" not in connection.client_config({})
     assert isinstance(connection.client_config({}, start_up=True)["error_cb"], RefusalWatch)
+
+
+def test_tls_connections_disable_nagle_unless_told_otherwise() -> None:
+    assert "socket.nagle.disable" not in KafkaConnection("b:1", {}).client_config({})
+    tls = KafkaConnection("b:1", {"security.protocol": "sasl_ssl"})
+    assert tls.client_config({})["socket.nagle.disable"] is True
+    told = KafkaConnection("b:1", {"security.protocol": "SSL", "socket.nagle.disable": "false"})
+    assert told.client_config({})["socket.nagle.disable"] == "false"
