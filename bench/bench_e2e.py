@@ -51,6 +51,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -788,6 +789,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also: 1 worker exactly-once on a local three-node cluster beside one broker",
     )
+    parser.add_argument(
+        "--sasl-ssl", action="store_true", help="also 1 worker over SASL_SSL (bench_secured.py)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.active = 4000, 4000
@@ -854,6 +858,12 @@ def main(argv: list[str] | None = None) -> int:
                 if key not in best or run.tokens_per_s > best[key].tokens_per_s:
                     best[key] = run
     runs = [best[key] for tree in trees for v in variants if (key := (tree.label, *v)) in best]
+    sasl_ssl = None
+    if args.sasl_ssl:  # a plaintext run paired with each SASL_SSL one, on a secured broker
+        from bench import bench_secured  # imports this module: only when asked for
+
+        plaintext = partial(run_workers, bootstrap, workload, input_topic, 1, "exactly-once", logs)
+        sasl_ssl = bench_secured.compare(workload, logs, args.repeats, plaintext, note)
     # The core's parsed events are 100s of MB of Python objects; freed, this process's paced
     # producer and delta reader (on the same 2 cores as the worker under test) run leaner.
     del core
@@ -934,6 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": memory,
         "commit_interval_ms": COMMIT_INTERVAL_MS,
         "logs": str(logs),
+        **({"sasl_ssl": sasl_ssl} if sasl_ssl else {}),
     }
     if three_brokers is not None:
         report["three_brokers"] = three_brokers

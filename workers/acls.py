@@ -1,22 +1,24 @@
 """The least-privilege ACLs of each detok role, created through the AdminClient.
 
 A cluster that enforces ACLs (StandardAuthorizer with `allow.everyone.if.no.acl.found=false`,
-Confluent Cloud, MSK with IAM or ACLs, Strimzi's simple authorization) lets a principal do only
-what an ACL grants. Each role below holds exactly what its commands do, found by running them on
-the secured local broker with one right removed at a time (tests/integration/test_secured_*.py):
+Confluent Cloud, Strimzi's simple authorization) lets a principal do only what an ACL grants.
+Each role holds what its commands were seen to need on the secured local broker (Kafka 4.4;
+tests/integration/test_secured_pipeline.py runs the pipeline with exactly these):
 
-- worker: READ the input and its consumer group (`G`, and `G-restore`, the group id its
-  changelog restore reads under); READ+WRITE the changelog; WRITE deltas, completions, metrics
-  and dead letters; WRITE its transactional ids (prefix `detok-G-`); DESCRIBE_CONFIGS on all six
-  topics (start-up reads each topic's max.message.bytes to size what it writes).
-- reader: READ deltas, completions and metrics, and its groups (prefix `detok-collect-`, the
-  private group id of `detok collect`; `--group` names another prefix).
+- worker: READ the input; READ+WRITE the changelog; WRITE deltas, completions, metrics and dead
+  letters; DESCRIBE_CONFIGS on all six topics (start-up reads each topic's max.message.bytes to
+  size what it writes: refused without it); READ its consumer group `G` (refused without it) and
+  `G-restore` (the changelog restore assigns partitions and commits nothing, but its client
+  still looks up the group's coordinator, which needs DESCRIBE, implied by READ); WRITE its
+  transactional ids (prefix `detok-G-`; init_transactions is refused without it).
+- reader: READ deltas, completions and metrics, and groups with prefix `detok-collect-` (the
+  private group id `detok collect` reads under; it too only looks up the coordinator).
 - producer: WRITE and DESCRIBE_CONFIGS the input (replay sizes records by the input's limit);
-  READ the dead letters and its redrive groups (prefix `detok-redrive-`), for `detok dlq redrive`.
+  READ the dead letters and groups with prefix `detok-redrive-`, for `detok dlq redrive`.
 
 Kafka implies DESCRIBE from READ or WRITE, and DESCRIBE on a transactional id from WRITE, so no
-DESCRIBE ACL is listed; IdempotentWrite on the cluster is not needed since Kafka 3.0 (KIP-679)
-for a principal with WRITE on a topic. Both were checked on Kafka 4.4.
+DESCRIBE ACL is listed; IdempotentWrite on the cluster is not needed since Kafka 3.0 (KIP-679):
+the pipeline runs without either.
 """
 
 from __future__ import annotations

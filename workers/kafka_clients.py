@@ -45,6 +45,12 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "enable.idempotence": True,
     "acks": "all",
 }
+# Over TLS, librdkafka's default (Nagle's algorithm on) held the last segment of each request
+# until the broker's delayed ACK: a transaction's commit is several small requests in a row,
+# and one worker's commits took 10-16 s of a 17 s SASL_SSL run against 0.2-0.6 s in plaintext;
+# with TCP_NODELAY (what Java clients always set) 0.5 s (bench_e2e --sasl-ssl). Plaintext
+# connections keep librdkafka's default: unmeasured there, so unchanged. `-X` overrides it.
+TLS_DEFAULTS: Mapping[str, Any] = {"socket.nagle.disable": True}
 # While librdkafka's local queue is full, `produce` raises BufferError; waiting this long for it
 # to send lets the queue drain without spinning.
 QUEUE_FULL_WAIT_S = 0.05
@@ -89,38 +95,42 @@ class KafkaConnection:
     def client_config(
         self, settings: Mapping[str, Any], *, start_up: bool = False
     ) -> dict[str, Any]:
-        """`settings` for one client on this connection, with an error callback that ends a
-        refused connection at once (see `RefusalWatch`; `start_up` for a command's first
-        requests)."""
-        watch = RefusalWatch(self.bootstrap_servers, self.properties, start_up=start_up)
+        """`settings` for one client on this connection. A `start_up` client (a command's
+        first requests: admin clients, a short command's reader) also gets the error callback
+        that ends a refused connection at once (`RefusalWatch`)."""
+        watch = {"error_cb": RefusalWatch(self.bootstrap_servers, self.properties)}
+        protocol = str(self.properties.get("security.protocol", "")).upper()
         return {
             "bootstrap.servers": self.bootstrap_servers,
-            "error_cb": watch,
+            **(TLS_DEFAULTS if protocol in ("SSL", "SASL_SSL") else {}),
+            **(watch if start_up else {}),
             **settings,
             **self.properties,
         }
 
 
 class RefusalWatch:
-    """A client's `error_cb`: raises (from the poll that serves it) when the cluster refuses the
-    client, so a wrong password or certificate ends a command within a second, naming the cause,
-    instead of as a metadata timeout (librdkafka retries a refused login forever and only logs).
+    """A start-up client's `error_cb`: raises (from the poll that serves it) when the cluster
+    refuses the client, so a wrong password or certificate ends a command within a second,
+    naming the cause, instead of as a metadata timeout (librdkafka retries a refused login
+    forever and only logs).
 
     Refusals: a failed SASL login (`_AUTHENTICATION`) and a failed TLS handshake (`_SSL`: an
     untrusted certificate, a TLS client on a plaintext port). A plaintext client on a TLS or SASL
     listener gets no error of its own: the broker just closes each connection during the first
     request, which librdkafka reports as "all brokers down" with no transport error before it
-    (a stopped broker refuses the connection first: `_TRANSPORT`). That pattern is taken as a
-    refusal only by clients made for a command's start-up (`start_up`), never by a running
-    worker's clients, for which a restarting broker can look the same.
+    (a stopped broker refuses the connection first: `_TRANSPORT`).
+
+    Only start-up clients get it: a running worker's clients must ride out a restarting broker,
+    which can look like the last pattern, and an error callback on a transactional client was
+    seen to abort the process inside confluent-kafka (CallState_get assertion) when an error
+    arrived during a rebalance's abort. The worker's start-up admin client meets a refusal
+    before its consumer and producer exist.
     """
 
-    def __init__(
-        self, bootstrap_servers: str, properties: Mapping[str, Any], *, start_up: bool
-    ) -> None:
+    def __init__(self, bootstrap_servers: str, properties: Mapping[str, Any]) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.protocol = str(properties.get("security.protocol", "plaintext")).upper()
-        self.start_up = start_up
         self.transport_errors = 0
 
     def __call__(self, error: KafkaError) -> None:
@@ -129,7 +139,7 @@ class RefusalWatch:
             raise KafkaException(error)
         if code == KafkaError._TRANSPORT:
             self.transport_errors += 1
-        elif code == KafkaError._ALL_BROKERS_DOWN and self.start_up and not self.transport_errors:
+        elif code == KafkaError._ALL_BROKERS_DOWN and not self.transport_errors:
             raise KafkaException(
                 KafkaError(
                     KafkaError._ALL_BROKERS_DOWN,

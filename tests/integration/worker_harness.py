@@ -26,6 +26,7 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.conftest import REPO_ROOT, real_tokenizer_path
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from workers.formats.jsonl import jsonl_records
+from workers.kafka_clients import KafkaConnection, as_connection
 from workers.replay import replay
 from workers.topic_names import TopicNames
 from workers.topics import ensure_topics
@@ -182,16 +183,19 @@ def stop(process: subprocess.Popen) -> int:
     return wait_exit(process)
 
 
-def read_messages(bootstrap: str, topic: str) -> Iterator[Message]:
-    """Every committed record of a topic (read_committed, as detok's readers do), to its end."""
+def read_messages(bootstrap: KafkaConnection | str, topic: str) -> Iterator[Message]:
+    """Every committed record of a topic (read_committed, as detok's readers do), to its end.
+
+    `bootstrap` may be a KafkaConnection, for a secured broker."""
     consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": unique_name("reader"),
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "enable.auto.commit": False,
-        }
+        as_connection(bootstrap).client_config(
+            {
+                "group.id": unique_name("reader"),
+                "isolation.level": "read_committed",
+                "enable.partition.eof": True,
+                "enable.auto.commit": False,
+            }
+        )
     )
     try:
         partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions

@@ -3,16 +3,18 @@ refusal of settings detok's guarantees depend on, redaction of secrets, OAUTHBEA
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from workers import msk_iam
 from workers.cli import build_parser, main
-from workers.commands.options import connection_from
-from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection
+from workers.commands.options import connection_from, kafka_config_arguments
+from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection, RefusalWatch
 from workers.kafka_config import (
     CONFIG_FILE_ENV,
     LEGACY_JSON_ENV,
@@ -238,3 +240,56 @@ def test_a_missing_config_file_is_a_usage_error(capsys: pytest.CaptureFixture[st
     code = main(["topics", "ensure", "--kafka-config", "/no/such/file.properties"])
     assert code == 2
     assert "cannot read Kafka config file /no/such/file.properties" in capsys.readouterr().err
+
+
+def test_a_child_command_gets_the_same_config_flags(tmp_path: Path) -> None:
+    path = write(tmp_path, "security.protocol=SSL\n")
+    flags = ["--kafka-config", str(path), "-X", "a=b", "-X", "c=d"]
+    parent = build_parser().parse_args(["demo", *flags, "--bootstrap-servers", NOWHERE])
+    rendered = kafka_config_arguments(parent)
+    child = build_parser().parse_args(["worker", *rendered, "--bootstrap-servers", NOWHERE])
+    assert connection_from(child) == connection_from(parent)
+
+
+@pytest.mark.parametrize("command", KAFKA_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_help_never_shows_a_secret_from_the_environment(
+    command: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(write(tmp_path, f"sasl.password={SECRET}\n")))
+    monkeypatch.setenv(LEGACY_JSON_ENV, json.dumps({"sasl.password": SECRET}))
+    words = command[:2] if command[0] in ("topics", "dlq", "acls") else command[:1]
+    assert main([*words, "--help"]) == 0
+    assert SECRET not in capsys.readouterr().out
+
+
+def test_a_refused_login_or_handshake_is_raised_and_a_stopped_broker_is_not() -> None:
+    watch = RefusalWatch("b:1", {"security.protocol": "SASL_SSL"})
+    for code in (KafkaError._AUTHENTICATION, KafkaError._SSL):
+        with pytest.raises(KafkaException) as raised:
+            watch(KafkaError(code, "refused"))
+        assert raised.value.args[0].code() == code
+    # A stopped broker refuses the connection first: "all brokers down" then means just that.
+    stopped = RefusalWatch("b:1", {})
+    stopped(KafkaError(KafkaError._TRANSPORT, "Connection refused"))
+    stopped(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
+    # A broker that closes every connection unasked is a listener of another protocol.
+    mismatched = RefusalWatch("b:1", {})
+    with pytest.raises(KafkaException, match="this client uses PLAINTEXT"):
+        mismatched(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
+
+
+def test_only_start_up_clients_get_the_refusal_watch() -> None:
+    connection = KafkaConnection("b:1", {})
+    assert "error_cb" not in connection.client_config({})
+    assert isinstance(connection.client_config({}, start_up=True)["error_cb"], RefusalWatch)
+
+
+def test_tls_connections_disable_nagle_unless_told_otherwise() -> None:
+    assert "socket.nagle.disable" not in KafkaConnection("b:1", {}).client_config({})
+    tls = KafkaConnection("b:1", {"security.protocol": "sasl_ssl"})
+    assert tls.client_config({})["socket.nagle.disable"] is True
+    told = KafkaConnection("b:1", {"security.protocol": "SSL", "socket.nagle.disable": "false"})
+    assert told.client_config({})["socket.nagle.disable"] == "false"

@@ -113,14 +113,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         log.info("Kafka %r", settings.connection)  # redacted: see KafkaConnection
-        registry = TokenizerRegistry.from_specs(
-            settings.tokenizers, parse_vocab_size_specs(settings.model_vocab_sizes)
-        )
+        vocab_sizes = parse_vocab_size_specs(settings.model_vocab_sizes)
     except (ValidationError, TokenizerSpecError, KafkaConfigError) as error:
         print(f"detok worker: {error}", file=sys.stderr)
         return 2
     stop = StopRequest()
     stop.install()
+    # The cluster first, the tokenizers (seconds of loading on a busy machine) after: a worker
+    # the cluster refuses (a wrong password, a missing ACL) or cannot reach says so at once.
     try:
         limits = read_output_limits(
             settings.connection,
@@ -137,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
     except KafkaException as error:  # a refused login or handshake (kafka_clients.RefusalWatch)
         print(f"detok worker: Kafka error: {error.args[0].str()}", file=sys.stderr)
         return 1
+    try:
+        registry = TokenizerRegistry.from_specs(settings.tokenizers, vocab_sizes)
+    except TokenizerSpecError as error:
+        print(f"detok worker: {error}", file=sys.stderr)
+        return 2
     metrics = PrometheusMetrics(registry.names, registry=None)
     health = Health()
     if settings.metrics_port is not None:
