@@ -52,11 +52,27 @@ STILL_WAITING_LOG_INTERVAL_S = 10.0
 # cluster was stopped and started again, abort_transaction and send_offsets_to_transaction were
 # seen never to return (both workers of a test silent for minutes; librdkafka #3779 and #4420
 # report such blocked transactional calls). A call still running this long after it started is
-# wedged inside the client: the worker exits (BLOCKED_CALL_EXIT_CODE, the cause logged) for its
+# wedged inside the client: the worker exits (RESTART_EXIT_CODE, the cause logged) for its
 # supervisor to restart it, and the restart's init_transactions fences and aborts what was open,
 # so nothing is lost or duplicated. Far above any call's own timeout, so only a wedge trips it.
 BLOCKED_CALL_LIMIT_S = 60.0
-BLOCKED_CALL_EXIT_CODE = 70  # EX_SOFTWARE: an internal error, restart me
+# The exit code of a worker whose Kafka client became unusable while nothing is wrong with the
+# worker or its data (a wedged call, above; a producer's sequence state lost, below): restart me.
+RESTART_EXIT_CODE = 70  # EX_SOFTWARE: an internal error
+# librdkafka's idempotent producer raises these as fatal when a partition leader dies with
+# records in flight and the new leader's sequence state disagrees with the producer's (seen after
+# a kill -9 of a leader: OUT_OF_ORDER_SEQUENCE_NUMBER, "sequence desynchronization"). That
+# producer instance can never be used again, but a new one recovers everything: the restarted
+# worker's init_transactions fences and aborts the open transaction, and it restores its requests
+# from the changelog. So the worker exits with RESTART_EXIT_CODE for its supervisor (a
+# StatefulSet, systemd) to restart it, rather than with 1, which says "a person must look".
+PRODUCER_STATE_ERRORS = frozenset(
+    {
+        KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+        KafkaError.UNKNOWN_PRODUCER_ID,
+        KafkaError.INVALID_PRODUCER_ID_MAPPING,
+    }
+)
 # An orphaned transaction (a worker killed with a random instance id) blocks read_committed
 # readers until it times out; 30 s bounds that stall.
 TRANSACTION_TIMEOUT_MS = 30_000
@@ -193,6 +209,15 @@ class CommitStrategy(Protocol):
     def close(self) -> None: ...
 
 
+def restart_recovers(error: BaseException) -> bool:
+    """Whether `error` (a client error, or the FatalWorkerError it caused) is one a restarted
+    worker recovers from by itself: a producer's lost sequence state (PRODUCER_STATE_ERRORS)."""
+    cause = error if isinstance(error, KafkaException) else error.__cause__
+    if not isinstance(cause, KafkaException):
+        return False
+    return cause.args[0].code() in PRODUCER_STATE_ERRORS
+
+
 def describe_error(error: KafkaError) -> str:
     """A fatal client error in words: the cause first, the librdkafka text after."""
     code = error.code()
@@ -285,8 +310,8 @@ class ExactlyOnce:
             # Only after a failure: its outcome no longer matters, but it must end first.
             try:
                 self._in_flight.result()
-            except (KafkaException, FatalWorkerError):
-                log.warning("the last transaction failed too", exc_info=True)
+            except (KafkaException, FatalWorkerError) as error:
+                log.warning("the last transaction failed too: %s", error)
             self._in_flight = None
         self._committer.shutdown()
 
@@ -385,10 +410,10 @@ class _CallWatchdog:
                     self._what,
                     time.monotonic() - started,
                     CALL_TIMEOUT_S,
-                    BLOCKED_CALL_EXIT_CODE,
+                    RESTART_EXIT_CODE,
                 )
                 logging.shutdown()
-                os._exit(BLOCKED_CALL_EXIT_CODE)
+                os._exit(RESTART_EXIT_CODE)
 
 
 class _RetryWait:

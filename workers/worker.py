@@ -42,12 +42,14 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, dump_json
 from workers.changelog import RestoreInterrupted, apply_latest, changelog_record, read_latest
 from workers.checkpointing import (
+    RESTART_EXIT_CODE,
     Checkpoint,
     CommitOutcome,
     Deadline,
     FatalWorkerError,
     Output,
     describe_error,
+    restart_recovers,
     strategy_for,
 )
 from workers.config import WorkerSettings
@@ -233,6 +235,9 @@ class Worker:
             self._stopping()  # leaving after a failure is bounded like leaving on SIGTERM
             log.error("stopping without commit: %s%s", _message(error), self._missing_topics())
             self._close(abort=True)
+            if restart_recovers(error):
+                log.error("exiting with %d: a restart recovers from this", RESTART_EXIT_CODE)
+                return RESTART_EXIT_CODE
             return 1
         self._close(abort=False)
         log.info(

@@ -49,7 +49,7 @@ from tests.integration.worker_harness import (
     write_jsonl,
 )
 from workers import broker
-from workers.checkpointing import BLOCKED_CALL_EXIT_CODE
+from workers.checkpointing import RESTART_EXIT_CODE
 from workers.formats.jsonl import jsonl_records
 from workers.kafka_clients import DeliveryTracker, KafkaConnection, make_producer
 from workers.replay import replay_events
@@ -262,14 +262,15 @@ def wait_until_both_restored(run: Run) -> None:
 
 
 def wait_for_completions(run: Run, count: int, bound_s: float) -> None:
-    """Until `count` completions are visible. A worker that exited because a Kafka client call
-    wedged (BLOCKED_CALL_EXIT_CODE, see workers/checkpointing.py) is restarted under its instance
-    id, as its supervisor would; any other exit fails the test."""
+    """Until `count` completions are visible. A worker that exited because its Kafka client
+    became unusable (RESTART_EXIT_CODE: a wedged call, a producer's lost sequence state; see
+    workers/checkpointing.py) is restarted under its instance id, as its supervisor would; any
+    other exit fails the test."""
     deadline = time.monotonic() + bound_s
     while len(completions_on(run.bootstrap, run.names)) < count:
         for instance_id, worker in list(run.workers.items()):
-            if worker.poll() == BLOCKED_CALL_EXIT_CODE:
-                print(f"\n[cluster fault] {instance_id} exited on a wedged client call; restarted")
+            if worker.poll() == RESTART_EXIT_CODE:
+                print(f"\n[cluster fault] {instance_id} exited with the restart code; restarted")
                 run.start(instance_id)
         exited = {i: w.returncode for i, w in run.workers.items() if w.poll() is not None}
         assert not exited, f"workers exited early: {exited}"

@@ -16,7 +16,13 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.unit.fake_records import FakeMessage
 from tests.unit.small_tokenizers import byte_level
-from workers.checkpointing import AtLeastOnce, CommitOutcome, Deadline
+from workers.checkpointing import (
+    AtLeastOnce,
+    CommitOutcome,
+    Deadline,
+    FatalWorkerError,
+    restart_recovers,
+)
 from workers.config import WorkerSettings
 from workers.output_limits import OutputLimits
 from workers.prometheus import PrometheusMetrics
@@ -180,3 +186,17 @@ def test_a_batch_is_handled_only_after_its_partitions_are_restored(worker, monke
     monkeypatch.setattr(worker, "_restore", lambda: calls.append(sorted(worker.restoring)))
     assert [m.partition() for m in worker._restore_before_handling(batch)] == [0]
     assert calls[-1] == [1]
+
+
+def test_a_producers_lost_sequence_state_asks_for_a_restart_and_a_fencing_does_not() -> None:
+    """After a partition leader dies with records in flight, librdkafka may declare the
+    producer's sequence state lost (fatal); a restarted worker recovers, so the worker exits with
+    RESTART_EXIT_CODE. A fencing means another worker owns the id: a restart would not help."""
+    lost = KafkaException(KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, fatal=True))
+    fenced = KafkaException(KafkaError(KafkaError._FENCED, fatal=True))
+    wrapped = FatalWorkerError("committing a transaction failed")
+    wrapped.__cause__ = lost
+    assert restart_recovers(lost)
+    assert restart_recovers(wrapped)
+    assert not restart_recovers(fenced)
+    assert not restart_recovers(FatalWorkerError("input topic gone"))
