@@ -1,6 +1,8 @@
 """End-to-end throughput through Kafka, side by side with the in-process core, in one run.
 
-On the local broker (`detok broker start`, or one this script starts), with real tokenizers:
+On the cluster the usual client flags name (`--bootstrap-servers`, `--kafka-config FILE`, `-X
+key=value`, as every detok command reads them), else on the local broker (`detok broker start`,
+or one this script starts), with real tokenizers:
 
   core        `RequestProcessor.process` over the same events, cut into the worker's consume
               batches (no Kafka, no parsing): the ceiling the worker is measured against,
@@ -28,7 +30,7 @@ No figure is asserted; targets are printed next to each figure as ratios measure
 beside this tree's, alternating in every rotation, so before/after figures come from one run.
 
     python -m bench.bench_e2e [--requests 20000] [--quick] [--json] [--profile DIR]
-                              [--compare-with TREE]
+                              [--compare-with TREE] [--kafka-config FILE] [-X KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -66,6 +68,8 @@ from schemas.events import LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import parse_event
 from workers.broker import (
+    DEFAULT_PORT,
+    LOOPBACK,
     answers_metadata,
     broker_status,
     free_port_block,
@@ -73,8 +77,10 @@ from workers.broker import (
     start_cluster,
     stop_cluster,
 )
+from workers.commands.options import add_connection_options, connection_from, kafka_config_arguments
 from workers.formats.jsonl import jsonl_records
 from workers.kafka_clients import KafkaConnection, make_consumer, make_producer
+from workers.kafka_config import CONFIG_FILE_ENV, KafkaConfigError
 from workers.process_policy import tune_garbage_collector
 from workers.replay import replay, replay_events
 from workers.topics import TopicNames, delete_topics, ensure_topics
@@ -229,10 +235,39 @@ def topics(prefix: str, input_topic: str | None = None) -> TopicNames:
     return names.model_copy(update={"input": input_topic}) if input_topic else names
 
 
+@dataclass(frozen=True)
+class Kafka:
+    """The cluster a run measures on: the connection of this process's own clients, and the
+    `--kafka-config` / `-X` flags that give its workers the same one (the file's path goes on
+    their command lines, not the secrets in it)."""
+
+    connection: KafkaConnection
+    config_flags: tuple[str, ...] = ()
+
+
+def kafka_from(args: argparse.Namespace) -> Kafka:
+    """The cluster the flags describe, read as every detok command reads them (`connection_from`).
+
+    With no address and no client configuration given, as before: $KAFKA_BOOTSTRAP_SERVERS, else
+    the local broker's port, and the local broker started if nothing answers there. A given
+    address or configuration names a cluster of its own, so nothing is started for it.
+    """
+    connection = connection_from(args, fallback=lambda: f"{LOOPBACK}:{DEFAULT_PORT}")
+    given = args.bootstrap_servers or args.kafka_config_file or args.kafka_overrides
+    local = not (given or os.environ.get(CONFIG_FILE_ENV))
+    if local and not answers_metadata(connection.bootstrap_servers):
+        connection = replace(connection, bootstrap_servers=start_broker().bootstrap_servers)
+    return Kafka(connection, tuple(kafka_config_arguments(args)))
+
+
 def worker_command(
-    bootstrap: str, names: TopicNames, group: str, specs: list[str], *extra: str
+    kafka: Kafka, names: TopicNames, group: str, specs: list[str], *extra: str
 ) -> list[str]:
+    """A `detok worker` on `kafka`'s cluster: its address, and the client configuration as the
+    same `--kafka-config` / `-X` flags this bench was given, so the worker connects as it does."""
+    bootstrap = kafka.connection.bootstrap_servers
     command = [sys.executable, "-m", "workers.cli", "worker", "--bootstrap-servers", bootstrap]
+    command += kafka.config_flags
     command += ["--group", group, "--commit-interval-ms", str(COMMIT_INTERVAL_MS)]
     for spec in specs:
         command += ["--tokenizer", spec]
@@ -323,8 +358,8 @@ def wait_for(predicate: Any, what: str, bound_s: float = WAIT_BOUND_S) -> None:
         time.sleep(0.05)
 
 
-def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    consumer = make_consumer(KafkaConnection(bootstrap), {"group.id": "bench-offsets"})
+def end_offsets(connection: KafkaConnection, topic: str) -> dict[int, int]:
+    consumer = make_consumer(connection, {"group.id": "bench-offsets"})
     try:
         parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
         return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), 30)[1] for p in parts}
@@ -332,8 +367,10 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
         consumer.close()
 
 
-def committed_offsets(bootstrap: str, group: str, topic: str, parts: list[int]) -> dict[int, int]:
-    consumer = make_consumer(KafkaConnection(bootstrap), {"group.id": group})
+def committed_offsets(
+    connection: KafkaConnection, group: str, topic: str, parts: list[int]
+) -> dict[int, int]:
+    consumer = make_consumer(connection, {"group.id": group})
     try:
         committed = consumer.committed([TopicPartition(topic, p) for p in parts], 30)
         return {tp.partition: tp.offset for tp in committed}
@@ -341,11 +378,11 @@ def committed_offsets(bootstrap: str, group: str, topic: str, parts: list[int]) 
         consumer.close()
 
 
-def drop_topics(bootstrap: str, names: TopicNames, keep: str | None = None) -> None:
+def drop_topics(connection: KafkaConnection, names: TopicNames, keep: str | None = None) -> None:
     """Delete a measured run's topics (all but `keep`): a broker left with every run's
     partitions slows down the runs after it (see `workers.topics.delete_topics`)."""
     wanted = [topic for topic in names.model_dump().values() if topic != keep]
-    for topic in delete_topics(bootstrap, wanted):
+    for topic in delete_topics(connection, wanted):
         print(f"# could not delete topic {topic}", file=sys.stderr)
 
 
@@ -357,7 +394,7 @@ def summaries(log: Path) -> list[dict[str, Any]]:
 
 
 def run_workers(
-    bootstrap: str,
+    kafka: Kafka,
     workload: Workload,
     input_topic: str,
     workers: int,
@@ -369,13 +406,13 @@ def run_workers(
     label = f"{workers} worker{'s' if workers > 1 else ''}, {guarantee}"
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     names = topics(prefix, input_topic)
-    ensure_topics(bootstrap, names, PARTITIONS)
+    ensure_topics(kafka.connection, names, PARTITIONS)
     group = f"{prefix}-group"
     processes = []
     for index in range(workers):
         log = logs / f"{prefix}-{index}.log"
         command = worker_command(
-            bootstrap,
+            kafka,
             names,
             group,
             workload.specs,
@@ -390,9 +427,9 @@ def run_workers(
         profiler = attach_profiler(processes[0][0].pid, profile)
     # Done when the group has committed every input offset; then SIGTERM, and each worker logs
     # its summary. (`--exit-when-idle` cannot tell "done" from "between two rebalance rounds".)
-    ends = end_offsets(bootstrap, input_topic)
+    ends = end_offsets(kafka.connection, input_topic)
     wait_for(
-        lambda: committed_offsets(bootstrap, group, input_topic, list(ends)) == ends,
+        lambda: committed_offsets(kafka.connection, group, input_topic, list(ends)) == ends,
         f"{label} to commit the whole input",
     )
     found = []
@@ -422,7 +459,7 @@ def run_workers(
             file=sys.stderr,
         )
     peak = max(s["peak_rss"] for s in found)
-    drop_topics(bootstrap, names, keep=input_topic)
+    drop_topics(kafka.connection, names, keep=input_topic)
     return WorkerRun(
         label,
         workers,
@@ -449,7 +486,7 @@ def timed_events(records: list[dict[str, Any]]) -> list[tuple[bytes, bytes, int]
 
 
 def latency_run(
-    bootstrap: str,
+    kafka: Kafka,
     workload: Workload,
     tokens_per_s: float,
     seconds: float,
@@ -465,7 +502,7 @@ def latency_run(
     """
     prefix = f"bench-{'join' if join else 'lat'}-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
-    ensure_topics(bootstrap, names, PARTITIONS)
+    ensure_topics(kafka.connection, names, PARTITIONS)
     group = f"{prefix}-group"
     per_request = workload.generated_tokens / workload.requests
     wanted = max(50, int(tokens_per_s * seconds / per_request))
@@ -477,9 +514,9 @@ def latency_run(
     events_per_s = len(events) * tokens_per_s / tokens
     log = logs / f"{prefix}.log"
     join_log = logs / f"{prefix}-joining.log"
-    command = worker_command(bootstrap, names, group, workload.specs, "--instance-id", prefix)
+    command = worker_command(kafka, names, group, workload.specs, "--instance-id", prefix)
     join_command = worker_command(
-        bootstrap, names, group, workload.specs, "--instance-id", f"{prefix}-joining"
+        kafka, names, group, workload.specs, "--instance-id", f"{prefix}-joining"
     )
     received: dict[tuple[str, int], tuple[float, float]] = {}
     arrivals: list[tuple[int, float, float]] = []  # (partition, created, seen) of each delta
@@ -489,7 +526,7 @@ def latency_run(
         reader_done = threading.Event()
         reader = threading.Thread(
             target=_read_deltas,
-            args=(bootstrap, names.deltas, received, reader_done, arrivals),
+            args=(kafka.connection, names.deltas, received, reader_done, arrivals),
             daemon=True,
         )
         reader.start()
@@ -501,14 +538,14 @@ def latency_run(
             warm = timed_events(
                 [{**r, "request_id": f"warm-{r['request_id']}"} for r in workload.records[:20]]
             )
-            _paced_produce(bootstrap, names.input, warm, events_per_s)
+            _paced_produce(kafka.connection, names.input, warm, events_per_s)
             warm_finals = set({k.decode(): s for k, _, s in warm}.items())
             wait_for(lambda: warm_finals <= received.keys(), "the warm-up's deltas")
             if join:
                 # Not pinned: it stands for a worker on another machine, and pinned beside the
                 # first its start-up (loading tokenizers) would stall that one instead.
                 joining = start(join_command, join_log, None, tree)
-            produced = _paced_produce(bootstrap, names.input, events, events_per_s)
+            produced = _paced_produce(kafka.connection, names.input, events, events_per_s)
             finals = set({k.decode(): s for k, _, s in events}.items())  # the finish: last seq
             wait_for(lambda: finals <= received.keys(), "every request's final delta", bound_s=120)
         finally:
@@ -524,7 +561,7 @@ def latency_run(
         seen, created = received[(request_id, _covering(received, request_id, seq))]
         visible.append(seen - at)
         worker_side.append(created - at)
-    drop_topics(bootstrap, names)
+    drop_topics(kafka.connection, names)
     result = {
         "tree": tree.label,
         "events_per_s": events_per_s,
@@ -600,7 +637,7 @@ def _covering(received: dict[tuple[str, int], Any], request_id: str, seq: int) -
 
 
 def _read_deltas(
-    bootstrap: str,
+    connection: KafkaConnection,
     topic: str,
     received: dict[tuple[str, int], tuple[float, float]],
     done: threading.Event,
@@ -610,7 +647,7 @@ def _read_deltas(
     low fetch wait, so the reader's own polling adds a few milliseconds at most. The produce time
     (the worker's, at its commit) separates the worker's delay from the reader's."""
     consumer = make_consumer(
-        KafkaConnection(bootstrap),
+        connection,
         {
             "group.id": f"bench-deltas-{uuid.uuid4().hex}",
             "isolation.level": "read_committed",
@@ -637,7 +674,10 @@ def _read_deltas(
 
 
 def _paced_produce(
-    bootstrap: str, topic: str, events: list[tuple[bytes, bytes, int]], events_per_s: float
+    connection: KafkaConnection,
+    topic: str,
+    events: list[tuple[bytes, bytes, int]],
+    events_per_s: float,
 ) -> dict[tuple[str, int], float]:
     """Produce `events` at `events_per_s`, in bursts of whatever is due every PACE_TICK_S, and
     return each one's produce time. The generator shares the 2 cores with the broker and the
@@ -646,9 +686,7 @@ def _paced_produce(
     # It stands in for an inference server's plain producer. With detok's idempotent default the
     # load generator itself added ~0.5 s to the measured p99 (paired runs, same worker), which
     # is no cost of the worker's.
-    producer = make_producer(
-        KafkaConnection(bootstrap), {"linger.ms": 5, "enable.idempotence": False}
-    )
+    producer = make_producer(connection, {"linger.ms": 5, "enable.idempotence": False})
     produced_at = [0.0] * len(events)
     started = time.time()
     index = 0
@@ -677,26 +715,24 @@ def vm_status(pid: int) -> dict[str, int]:
     return fields
 
 
-def memory_and_restore(
-    bootstrap: str, workload: Workload, active: int, logs: Path
-) -> dict[str, Any]:
+def memory_and_restore(kafka: Kafka, workload: Workload, active: int, logs: Path) -> dict[str, Any]:
     """Fill a worker with `active` unfinished requests in two halves, measure RSS at each, then
     kill -9 it and time its successor's restore."""
     prefix = f"bench-mem-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
-    ensure_topics(bootstrap, names, PARTITIONS)
+    ensure_topics(kafka.connection, names, PARTITIONS)
     group = f"{prefix}-group"
     records = (workload.records * (active // workload.requests + 1))[:active]
     # Prompt and two chunks of each: started, text accumulated, not finished.
     halves = [records[: active // 2], records[active // 2 :]]
     log = logs / f"{prefix}-a.log"
-    command = worker_command(bootstrap, names, group, workload.specs, "--instance-id", prefix)
+    command = worker_command(kafka, names, group, workload.specs, "--instance-id", prefix)
     worker = start(command, log)
     rss = []
     try:
         wait_for(lambda: "restored" in log.read_text(), "the memory worker's assignment")
         for half_index, half in enumerate(halves):
-            producer = make_producer(KafkaConnection(bootstrap), {"linger.ms": 20})
+            producer = make_producer(kafka.connection, {"linger.ms": 20})
             for position, record in enumerate(half):
                 generation = LoggedGeneration.model_validate(
                     {**record, "request_id": f"{record['request_id']}-m{half_index}-{position}"}
@@ -705,9 +741,11 @@ def memory_and_restore(
                     producer.produce(names.input, encode_event(event), generation.request_id)
                 producer.poll(0)
             producer.flush(60)
-            ends = end_offsets(bootstrap, names.input)
+            ends = end_offsets(kafka.connection, names.input)
             wait_for(
-                lambda e=ends: committed_offsets(bootstrap, group, names.input, list(e)) == e,
+                lambda e=ends: (
+                    committed_offsets(kafka.connection, group, names.input, list(e)) == e
+                ),
                 "the memory worker's commit",
             )
             time.sleep(0.5)
@@ -729,7 +767,7 @@ def memory_and_restore(
     finally:
         successor.send_signal(signal.SIGTERM)
         successor.wait(60)
-    drop_topics(bootstrap, names)
+    drop_topics(kafka.connection, names)
     return {
         "active_requests": active,
         "rss_half": rss[0]["VmRSS"],
@@ -765,9 +803,9 @@ def top_frames(raw: Path, limit: int = 15) -> list[tuple[float, str]]:
 # -- report -------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    add_connection_options(parser)
     parser.add_argument("--shared-dir", type=Path, default=REPO_ROOT.parent / "shared")
     parser.add_argument("--tokenizers", default=",".join(DEFAULT_TOKENIZERS))
     parser.add_argument("--requests", type=int, default=20_000)
@@ -792,12 +830,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sasl-ssl", action="store_true", help="also 1 worker over SASL_SSL (bench_secured.py)"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.active = 4000, 4000
-    bootstrap = args.bootstrap_servers or "127.0.0.1:19092"
-    if not answers_metadata(bootstrap):
-        bootstrap = start_broker().bootstrap_servers
+    try:
+        kafka = kafka_from(args)
+    except KafkaConfigError as error:  # its message never quotes a secret
+        parser.error(str(error))
     cache = Path(tempfile.gettempdir()) / "detok-bench"
     cache.mkdir(exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="detok-e2e-"))
@@ -814,9 +858,9 @@ def main(argv: list[str] | None = None) -> int:
     note(f"core: {core_alone:,.0f} tokens/s; with parsing: {core_with_parse:,.0f} tokens/s")
 
     input_topic = f"bench-{uuid.uuid4().hex[:8]}.tokens"
-    ensure_topics(bootstrap, topics("unused", input_topic), PARTITIONS)
+    ensure_topics(kafka.connection, topics("unused", input_topic), PARTITIONS)
     started = time.perf_counter()
-    totals = replay(bootstrap, workload.path, input_topic, chunk_size=CHUNK, progress=False)
+    totals = replay(kafka.connection, workload.path, input_topic, chunk_size=CHUNK, progress=False)
     replay_s = time.perf_counter() - started
     note(f"replay: {totals.events} events in {replay_s:.1f}s")
 
@@ -840,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
                         profile = args.profile / "worker-eos.raw"
                 try:
                     run = run_workers(
-                        bootstrap, workload, input_topic, workers, guarantee, logs, profile, tree
+                        kafka, workload, input_topic, workers, guarantee, logs, profile, tree
                     )
                 except WorkerCrashed as crash:
                     if tree == THIS_TREE:
@@ -862,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sasl_ssl:  # a plaintext run paired with each SASL_SSL one, on a secured broker
         from bench import bench_secured  # imports this module: only when asked for
 
-        plaintext = partial(run_workers, bootstrap, workload, input_topic, 1, "exactly-once", logs)
+        plaintext = partial(run_workers, kafka, workload, input_topic, 1, "exactly-once", logs)
         sasl_ssl = bench_secured.compare(workload, logs, args.repeats, plaintext, note)
     # The core's parsed events are 100s of MB of Python objects; freed, this process's paced
     # producer and delta reader (on the same 2 cores as the worker under test) run leaner.
@@ -880,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
         for repeat in range(LATENCY_REPEATS):
             for tree in _in_turn(trees, repeat):
-                run = latency_run(bootstrap, workload, rate, args.latency_seconds, logs, tree)
+                run = latency_run(kafka, workload, rate, args.latency_seconds, logs, tree)
                 repeats[tree.label].append(run)
                 note(f"{tree.label}: delay at {rate:,.0f} tok/s: p99 {run['p99_ms']:.0f} ms")
         latencies.append(
@@ -892,16 +936,16 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(LATENCY_REPEATS):
         for tree in _in_turn(trees, repeat):
             seconds = max(args.latency_seconds, JOIN_RUN_S)
-            run = latency_run(bootstrap, workload, join_rate, seconds, logs, tree, join=True)
+            run = latency_run(kafka, workload, join_rate, seconds, logs, tree, join=True)
             joins[tree.label].append(run)
             first = run["join"].get("first_visible_s")
             shown = "never" if first is None else f"{first:.2f} s"
             note(f"{tree.label}: joining worker's first output {shown} after its assignment")
-    memory = memory_and_restore(bootstrap, workload, args.active, logs)
+    memory = memory_and_restore(kafka, workload, args.active, logs)
     three_brokers = None
     if args.three_brokers:
-        three_brokers = three_broker_row(bootstrap, workload, input_topic, logs, note)
-    delete_topics(bootstrap, [input_topic])
+        three_brokers = three_broker_row(kafka, workload, input_topic, logs, note)
+    delete_topics(kafka.connection, [input_topic])
 
     report = {
         "workload": {
@@ -959,27 +1003,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def three_broker_row(
-    bootstrap: str, workload: Workload, input_topic: str, logs: Path, note: Any
+    kafka: Kafka, workload: Workload, input_topic: str, logs: Path, note: Any
 ) -> dict[str, float]:
     """One worker, exactly-once, on a local three-node cluster (replication 3, min ISR 2, so
     every transaction waits for a second replica) and, right before it, on the one broker: the
     cost of replication, paired in one run."""
-    single = run_workers(bootstrap, workload, input_topic, 1, "exactly-once", logs, None)
+    single = run_workers(kafka, workload, input_topic, 1, "exactly-once", logs, None)
     data_dir = Path(tempfile.mkdtemp(prefix="detok-bench-cluster-"))
     cluster = start_cluster(3, port=free_port_block(6), data_dir=data_dir)
     try:
+        # A plaintext cluster of its own: the given client configuration is for `kafka`'s.
+        three_kafka = Kafka(KafkaConnection(cluster.bootstrap_servers))
         cluster_topic = f"bench-{uuid.uuid4().hex[:8]}.tokens"
-        ensure_topics(cluster.bootstrap_servers, topics("unused", cluster_topic), PARTITIONS)
+        ensure_topics(three_kafka.connection, topics("unused", cluster_topic), PARTITIONS)
         replay(
-            cluster.bootstrap_servers,
+            three_kafka.connection,
             workload.path,
             cluster_topic,
             chunk_size=CHUNK,
             progress=False,
         )
-        three = run_workers(
-            cluster.bootstrap_servers, workload, cluster_topic, 1, "exactly-once", logs, None
-        )
+        three = run_workers(three_kafka, workload, cluster_topic, 1, "exactly-once", logs, None)
     finally:
         stop_cluster(data_dir)
         shutil.rmtree(data_dir, ignore_errors=True)

@@ -79,10 +79,12 @@ def _secured_run(
     admin = _connection(secured, "admin")
     ensure_topics(admin, names, bench_e2e.PARTITIONS)
     grant(admin, "User:worker", role_grants("worker", names, group))
+    worker = bench_e2e.Kafka(
+        _connection(secured, "worker"), ("--kafka-config", str(secured.client_configs["worker"]))
+    )
     command = bench_e2e.worker_command(
-        secured.bootstrap_servers, names, group, workload.specs,
-        "--kafka-config", str(secured.client_configs["worker"]), "--instance-id", prefix,
-    )  # fmt: skip
+        worker, names, group, workload.specs, "--instance-id", prefix
+    )
     log = logs / f"{prefix}-sasl-ssl.log"
     process = bench_e2e.start(command, log)
     ends = _offsets(admin, input_topic, None)

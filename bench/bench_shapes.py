@@ -1,6 +1,7 @@
 """Production shapes through Kafka (issue 15 items 1-4), beside today's workload, in one run.
 
-One `detok worker`, exactly-once, on the local broker, with real tokenizers:
+One `detok worker`, exactly-once, on the cluster the usual client flags name (as bench_e2e),
+else on the local broker, with real tokenizers:
 
   today         bench_e2e's workload (prompts of 32-256 ids, 100-400 generated), measured
                 first and last: the baseline every ratio below is taken against (their mean);
@@ -21,14 +22,13 @@ before compaction could run) are compared with the request's final text bytes (i
 the target is at most 2x the text plus a small constant. "before" is what the format before
 text segments would have written in the same run (each head with the whole text so far).
 
-    python -m bench.bench_shapes [--quick] [--backlog N] [--json]
+    python -m bench.bench_shapes [--quick] [--backlog N] [--json] [--kafka-config FILE] [-X K=V]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import statistics
@@ -49,11 +49,13 @@ from bench.bench_e2e import (
     REPO_ROOT,
     RESTORED,
     WAIT_BOUND_S,
+    Kafka,
     Workload,
     build_workload,
     committed_offsets,
     drop_topics,
     end_offsets,
+    kafka_from,
     start,
     summaries,
     topics,
@@ -62,8 +64,9 @@ from bench.bench_e2e import (
     worker_command,
 )
 from pipeline.request_state import split_changelog_key
-from workers.broker import answers_metadata, start_broker
+from workers.commands.options import add_connection_options
 from workers.kafka_clients import KafkaConnection, make_consumer, make_producer
+from workers.kafka_config import KafkaConfigError
 from workers.replay import replay
 from workers.topics import ensure_topics
 
@@ -135,7 +138,7 @@ def long_generation_records(base: Workload, count: int) -> list[dict[str, Any]]:
 
 
 def run_shape(
-    bootstrap: str,
+    kafka: Kafka,
     label: str,
     workload: Workload,
     specs: list[str],
@@ -144,26 +147,26 @@ def run_shape(
 ) -> ShapeRun:
     prefix = f"shape-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
-    ensure_topics(bootstrap, names, PARTITIONS)
+    ensure_topics(kafka.connection, names, PARTITIONS)
     replay(
-        bootstrap,
+        kafka.connection,
         workload.path,
         names.input,
         chunk_size=CHUNK,
         progress=False,
         prompt_tail=prompt_tail,
     )
-    input_bytes = sum(topic_bytes(bootstrap, names.input).values())
+    input_bytes = sum(topic_bytes(kafka.connection, names.input).values())
     group = f"{prefix}-group"
     log = logs / f"{prefix}.log"
     command = worker_command(
-        bootstrap, names, group, specs, "--guarantee", "exactly-once", "--instance-id", prefix
+        kafka, names, group, specs, "--guarantee", "exactly-once", "--instance-id", prefix
     )
     process = start(command, log)
     # Partitions no record went to have nothing to commit (a few long requests leave some so).
-    ends = {p: end for p, end in end_offsets(bootstrap, names.input).items() if end}
+    ends = {p: end for p, end in end_offsets(kafka.connection, names.input).items() if end}
     wait_for(
-        lambda: committed_offsets(bootstrap, group, names.input, list(ends)) == ends,
+        lambda: committed_offsets(kafka.connection, group, names.input, list(ends)) == ends,
         f"{label} to commit the whole input",
     )
     process.send_signal(signal.SIGTERM)
@@ -173,17 +176,17 @@ def run_shape(
     seconds = summary["last_commit_at"] - summary["first_consume_at"]
     if summary["generated_tokens"] < workload.generated_tokens:
         raise RuntimeError(f"{label}: decoded {summary['generated_tokens']} tokens")
-    changelog = changelog_ratio(bootstrap, names.changelog, names.completions)
-    drop_topics(bootstrap, names)
+    changelog = changelog_ratio(kafka.connection, names.changelog, names.completions)
+    drop_topics(kafka.connection, names)
     return ShapeRun(
         label, workload.requests, workload.generated_tokens, seconds, input_bytes, changelog
     )
 
 
-def read_all(bootstrap: str, topic: str) -> list[Any]:
+def read_all(connection: KafkaConnection, topic: str) -> list[Any]:
     """Every committed record of a topic, to its end."""
     consumer = make_consumer(
-        KafkaConnection(bootstrap),
+        connection,
         {
             "group.id": f"shape-reader-{uuid.uuid4().hex[:8]}",
             "isolation.level": "read_committed",
@@ -211,10 +214,10 @@ def read_all(bootstrap: str, topic: str) -> list[Any]:
     return out
 
 
-def topic_bytes(bootstrap: str, topic: str) -> dict[bytes, int]:
+def topic_bytes(connection: KafkaConnection, topic: str) -> dict[bytes, int]:
     """Bytes written per key (key + value + header names and values) over a whole topic."""
     sizes: dict[bytes, int] = {}
-    for message in read_all(bootstrap, topic):
+    for message in read_all(connection, topic):
         key = message.key() or b""
         size = len(key) + len(message.value() or b"")
         size += sum(len(name) + len(value or b"") for name, value in message.headers() or ())
@@ -222,14 +225,16 @@ def topic_bytes(bootstrap: str, topic: str) -> dict[bytes, int]:
     return sizes
 
 
-def changelog_ratio(bootstrap: str, changelog: str, completions: str) -> dict[str, Any]:
+def changelog_ratio(
+    connection: KafkaConnection, changelog: str, completions: str
+) -> dict[str, Any]:
     """Changelog bytes written per request against its final text's UTF-8 bytes, and what the
     format before segments would have written in the same run (each head plus the whole text
     so far: the segments read up to it)."""
     per_request: dict[bytes, int] = {}
     whole_text_format = 0
     text_so_far: dict[bytes, int] = {}
-    for message in read_all(bootstrap, changelog):  # in order within each partition
+    for message in read_all(connection, changelog):  # in order within each partition
         key = message.key() or b""
         value = message.value() or b""
         size = len(key) + len(value)
@@ -242,7 +247,7 @@ def changelog_ratio(bootstrap: str, changelog: str, completions: str) -> dict[st
             whole_text_format += size + (text_so_far.get(head, 0) if value else 0)
     texts = {
         message.key(): len(json.loads(message.value())["text"].encode())
-        for message in read_all(bootstrap, completions)
+        for message in read_all(connection, completions)
     }
     ratios = [per_request.get(k, 0) / t for k, t in texts.items() if t]
     excess = [per_request.get(k, 0) - TARGET_TEXT_FACTOR * t for k, t in texts.items()]
@@ -264,14 +269,14 @@ def changelog_ratio(bootstrap: str, changelog: str, completions: str) -> dict[st
 
 
 def backlog(
-    bootstrap: str, base: Workload, specs: list[str], count: int, idle_s: float, logs: Path
+    kafka: Kafka, base: Workload, specs: list[str], count: int, idle_s: float, logs: Path
 ) -> dict[str, Any]:
     """`count` prompt-only requests: RSS per open request, restore after kill -9, sweep share."""
     prefix = f"shape-backlog-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
-    ensure_topics(bootstrap, names, PARTITIONS)
+    ensure_topics(kafka.connection, names, PARTITIONS)
     group = f"{prefix}-group"
-    command = worker_command(bootstrap, names, group, specs, "--instance-id", prefix)
+    command = worker_command(kafka, names, group, specs, "--instance-id", prefix)
     log = logs / f"{prefix}-a.log"
     worker = start(command, log)
     prompts = base.records[:500]
@@ -279,7 +284,7 @@ def backlog(
     try:
         wait_for(lambda: "restored" in log.read_text(), "the backlog worker's assignment")
         for half in range(2):
-            producer = make_producer(KafkaConnection(bootstrap), {"linger.ms": 50})
+            producer = make_producer(kafka.connection, {"linger.ms": 50})
             for position in range(count // 2):
                 record = prompts[position % len(prompts)]
                 request_id = f"open-{half}-{position}"
@@ -297,9 +302,11 @@ def backlog(
                 if position % 10_000 == 0:
                     producer.poll(0)
             producer.flush(120)
-            ends = end_offsets(bootstrap, names.input)
+            ends = end_offsets(kafka.connection, names.input)
             wait_for(
-                lambda e=ends: committed_offsets(bootstrap, group, names.input, list(e)) == e,
+                lambda e=ends: (
+                    committed_offsets(kafka.connection, group, names.input, list(e)) == e
+                ),
                 "the backlog worker's commit",
             )
             time.sleep(1.0)
@@ -308,7 +315,7 @@ def backlog(
         worker.send_signal(signal.SIGKILL)
         worker.wait(60)
     per_request = (rss[1]["VmRSS"] - rss[0]["VmRSS"]) / (count // 2)
-    changelog_bytes = sum(topic_bytes(bootstrap, names.changelog).values())
+    changelog_bytes = sum(topic_bytes(kafka.connection, names.changelog).values())
     log_b = logs / f"{prefix}-b.log"
     started = time.monotonic()
     successor = start(command, log_b)
@@ -328,7 +335,7 @@ def backlog(
         successor.wait(120)
     restores = RESTORED.findall(log_b.read_text())
     (summary,) = summaries(log_b) or [{}]
-    drop_topics(bootstrap, names)
+    drop_topics(kafka.connection, names)
     lifetime = time.monotonic() - started
     return {
         "open_requests": count - count % 2,
@@ -349,7 +356,7 @@ def backlog(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    add_connection_options(parser)
     parser.add_argument("--shared-dir", type=Path, default=REPO_ROOT.parent / "shared")
     parser.add_argument("--tokenizers", default=",".join(DEFAULT_TOKENIZERS))
     parser.add_argument("--requests", type=int, default=20_000, help="today's workload")
@@ -365,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.long_prompt_requests, args.long_generations = 4000, 300, 24
         args.backlog = min(args.backlog, 100_000)
     skip = set(filter(None, args.skip.split(",")))
-    bootstrap = args.bootstrap_servers or "127.0.0.1:19092"
-    if not answers_metadata(bootstrap):
-        bootstrap = start_broker().bootstrap_servers
+    try:
+        kafka = kafka_from(args)
+    except KafkaConfigError as error:  # its message never quotes a secret
+        parser.error(str(error))
     cache = Path(tempfile.gettempdir()) / "detok-bench"
     cache.mkdir(exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="detok-shapes-"))
@@ -395,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = []
     for label, workload, tail in shapes:
-        run = run_shape(bootstrap, label, workload, specs, logs, prompt_tail=tail)
+        run = run_shape(kafka, label, workload, specs, logs, prompt_tail=tail)
         runs.append(run)
         note(
             f"{label}: {run.tokens_per_s:,.0f} tok/s over {run.requests} requests; changelog "
@@ -420,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "logs": str(logs),
     }
     if "backlog" not in skip:
-        report["backlog"] = backlog(bootstrap, base, specs, args.backlog, args.idle_seconds, logs)
+        report["backlog"] = backlog(kafka, base, specs, args.backlog, args.idle_seconds, logs)
         note(f"backlog: {json.dumps(report['backlog'])}")
     if args.json:
         print(json.dumps(report, indent=2))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from bench import bench_e2e
 from workers import msk_iam
 from workers.cli import build_parser, main
 from workers.commands.options import connection_from, kafka_config_arguments
@@ -26,6 +27,7 @@ from workers.kafka_config import (
     parse_properties,
     redacted,
 )
+from workers.topic_names import TopicNames
 
 SECRET = "s3cr3t-Pa55word-never-printed"
 NOWHERE = "127.0.0.1:9"  # nothing listens: a command that got as far as connecting would fail
@@ -249,6 +251,24 @@ def test_a_child_command_gets_the_same_config_flags(tmp_path: Path) -> None:
     rendered = kafka_config_arguments(parent)
     child = build_parser().parse_args(["worker", *rendered, "--bootstrap-servers", NOWHERE])
     assert connection_from(child) == connection_from(parent)
+
+
+def test_the_bench_takes_the_same_client_configuration_and_hands_it_to_its_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_local_broker() -> None:
+        raise AssertionError("a bench given a configuration must not start a broker")
+
+    monkeypatch.setattr(bench_e2e, "start_broker", no_local_broker)
+    path = write(tmp_path, f"bootstrap.servers={NOWHERE}\nsasl.password={SECRET}\n")
+    args = bench_e2e.build_parser().parse_args(["--kafka-config", str(path), "-X", "a.b=c"])
+    kafka = bench_e2e.kafka_from(args)
+    assert kafka.connection == KafkaConnection(NOWHERE, {"sasl.password": SECRET, "a.b": "c"})
+    command = bench_e2e.worker_command(kafka, TopicNames(), "group", ["m=/nowhere"])
+    assert command[1:3] == ["-m", "workers.cli"]
+    assert SECRET not in " ".join(command)
+    worker = build_parser().parse_args(command[3:])
+    assert connection_from(worker) == kafka.connection
 
 
 @pytest.mark.parametrize("command", KAFKA_COMMANDS, ids=lambda c: " ".join(c[:2]))
