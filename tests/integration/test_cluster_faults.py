@@ -236,7 +236,14 @@ def run_with_fault(
                 worker.kill()
                 worker.wait()
     logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("worker-*.log")))
-    assert codes == {"w0": 0, "w1": 0}, logs[-6000:]
+    # A worker still wedged in a client call when it is told to stop exits with the restart code
+    # (its watchdog; see wait_for_completions): the documented outcome of that librdkafka defect,
+    # not a lost or duplicated record, which the checks below would catch.
+    wedged = [i for i, code in codes.items() if code == RESTART_EXIT_CODE]
+    if wedged:
+        print(f"\n[cluster fault] {label}: {wedged} exited with the restart code at the stop")
+    assert set(codes) == {"w0", "w1"}, codes
+    assert all(code in (0, RESTART_EXIT_CODE) for code in codes.values()), logs[-6000:]
     assert "Traceback" not in logs
     assert completions_on(run.bootstrap, names) == expected
     assert_deltas_cover_exactly_once(run.bootstrap, names, expected)
