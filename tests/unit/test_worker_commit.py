@@ -200,3 +200,66 @@ def test_a_producers_lost_sequence_state_asks_for_a_restart_and_a_fencing_does_n
     assert restart_recovers(wrapped)
     assert not restart_recovers(fenced)
     assert not restart_recovers(FatalWorkerError("input topic gone"))
+
+
+class ScriptedConsumer:
+    """A consumer that plays one scripted `consume` answer per call and records each call's
+    timeout; an answer that is a callable runs first (the group's assignment callback)."""
+
+    def __init__(self, worker: Worker, answers: list) -> None:
+        self.worker = worker
+        self.answers = answers
+        self.timeouts: list[float] = []
+
+    def consume(self, num_messages: int, timeout: float) -> list:
+        self.timeouts.append(timeout)
+        answer = self.answers.pop(0)
+        return answer() if callable(answer) else answer
+
+    def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_assignments_first_records_commit_without_waiting_for_the_interval(
+    worker, monkeypatch
+) -> None:
+    """Issue 15 item 5: a worker that joins has no visible output until its first commit, so
+    the first records of a new assignment are committed in the step that handled them; later
+    records wait for the commit interval (a minute here, so only the early path can commit)."""
+    worker.settings = worker.settings.model_copy(update={"commit_interval_ms": 60_000})
+    worker.checkpoint.started_at = float("inf")  # the interval never elapses in this test
+    strategy = RecordingStrategy()
+    strategy.refuse = False
+    worker.strategy = strategy
+    monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear())
+
+    def assign() -> list:
+        worker._on_assign(consumer, [TopicPartition(worker.topics.input, 0)])
+        return []
+
+    consumer = ScriptedConsumer(
+        worker,
+        [
+            assign,
+            [FakeMessage(b"not an event", partition_number=0, offset_number=0)],
+            [FakeMessage(b"nor this one", partition_number=0, offset_number=1)],
+        ],
+    )
+    real_consumer, worker.consumer = worker.consumer, consumer
+    try:
+        worker._step()  # joined and assigned; nothing to commit yet
+        assert strategy.offered == []
+        worker._step()  # the assignment's first records: committed at once
+        assert strategy.offered == [[(0, 1)]]
+        worker._step()  # later records wait for the interval
+        assert strategy.offered == [[(0, 1)]]
+        assert worker.checkpoint.offsets == {0: 2}
+    finally:
+        worker.consumer = real_consumer
+    # Unassigned, the worker does not sit out a batch wait inside the consume that delivers
+    # its assignment: the restore then starts as soon as that call returns.
+    unassigned, assigned = consumer.timeouts[0], consumer.timeouts[1]
+    assert unassigned < assigned
