@@ -89,6 +89,9 @@ FETCH_WAIT_MAX_MS = 50
 # requests a second per worker to the group coordinator. (librdkafka still sends a member's
 # JoinGroup at most once a second, so a joining worker's two rounds take about a second.)
 REBALANCE_NOTICE_MS = 200
+# Bounds the metadata request that follows a rebalance callback (`Worker._rejoin_promptly`): a
+# live broker answers in milliseconds; if none does, the loop goes on without it.
+REJOIN_METADATA_TIMEOUT_S = 1.0
 # TTL sweeps walk every request; once a second is plenty for TTLs measured in minutes.
 EXPIRE_INTERVAL_S = 1.0
 # Requests one sweep may end. Each expiry is a completion, a dead letter and a snapshot, all in
@@ -147,6 +150,7 @@ class Worker:
         # The partitions of each assignment whose records no commit has carried yet: the first
         # commit that does is not made to wait for the commit interval (`_commit_due_in`).
         self.uncommitted: list[set[int]] = []
+        self._rebalanced = False  # a rebalance callback ran since the last step (see there)
         self.joined = False  # the group has assigned this member something (maybe nothing)
         self.restoring: set[int] = set()
         self.at_end: set[int] = set()
@@ -323,6 +327,8 @@ class Worker:
         wait = CONSUME_WAIT_S if self.assigned else UNASSIGNED_WAIT_S
         consume_started = time.perf_counter()
         messages = self.consumer.consume(self.settings.max_batch, min(wait, max(due_in, 0.0)))
+        if self._rebalanced:
+            self._rejoin_promptly()
         if self.restoring:
             messages = self._restore_before_handling(messages)
         now = time.time()
@@ -342,6 +348,28 @@ class Worker:
         if self._idle_long_enough():
             log.info("every assigned partition is at its end and idle; stopping")
             self.running = False
+
+    def _rejoin_promptly(self) -> None:
+        """After a rebalance callback, let this member join the group's next round at once.
+
+        librdkafka (classic group protocol) sends a member's JoinGroup at most once a second,
+        and a cooperative rebalance is two rounds: the member that joins and the members that
+        revoke partitions for it all join again for the second round, which then waited out
+        the rest of that second (a joining worker's timeline: empty first assignment, then its
+        partitions 0.94 s later, with nothing else happening). Any metadata response resets that
+        interval (librdkafka's rdkafka_metadata.c, `rd_interval_reset(&rkcg_join_intvl)` for
+        the classic protocol), so one small request after each callback lets the second round
+        start as soon as the coordinator calls for it. Made here, outside the callback: a
+        consumer's own `list_topics` inside its rebalance callback aborts the process (see
+        `_missing_topics`). A failure only means the round starts at librdkafka's own pace.
+        """
+        self._rebalanced = False
+        try:
+            self.consumer.list_topics(
+                self.topics.input, timeout=self.deadline.remaining(REJOIN_METADATA_TIMEOUT_S)
+            )
+        except KafkaException as error:
+            log.debug("metadata request after a rebalance failed: %s", _message(error))
 
     def _commit_due_in(self) -> float:
         """Seconds until the next commit is due: a commit interval after the last one began, or
@@ -624,6 +652,7 @@ class Worker:
         numbers = [tp.partition for tp in partitions]
         log.info("assigned partitions %s", numbers)
         self.joined = True
+        self._rebalanced = True
         self.timeline.assigned(numbers)
         self.assigned.update(numbers)
         if numbers:
@@ -634,6 +663,7 @@ class Worker:
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         numbers = [tp.partition for tp in partitions]
         log.info("revoked partitions %s", numbers)
+        self._rebalanced = True
         self.metrics.rebalances.labels(event="revoke").inc()
         if self._commit_on_revoke:
             try:

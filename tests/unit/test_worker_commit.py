@@ -210,6 +210,7 @@ class ScriptedConsumer:
         self.worker = worker
         self.answers = answers
         self.timeouts: list[float] = []
+        self.calls: list[str] = []  # what the worker asked of it, in order, beside consume
 
     def consume(self, num_messages: int, timeout: float) -> list:
         self.timeouts.append(timeout)
@@ -218,6 +219,9 @@ class ScriptedConsumer:
 
     def incremental_assign(self, partitions: list[TopicPartition]) -> None:
         pass
+
+    def list_topics(self, topic: str, timeout: float) -> None:
+        self.calls.append(f"metadata of {topic}")
 
     def close(self) -> None:
         pass
@@ -263,3 +267,37 @@ def test_an_assignments_first_records_commit_without_waiting_for_the_interval(
     # its assignment: the restore then starts as soon as that call returns.
     unassigned, assigned = consumer.timeouts[0], consumer.timeouts[1]
     assert unassigned < assigned
+
+
+def test_a_rebalance_callback_is_followed_by_a_metadata_request_before_the_restore(
+    worker, monkeypatch
+) -> None:
+    """Issue 15 item 5: librdkafka lets a member join a cooperative rebalance's second round
+    only a second after its first, unless a metadata response resets that interval; the worker
+    asks for the input topic's metadata once after each rebalance callback (outside it), before
+    the restore, so the group's next round is not held up. Steps without a callback ask
+    nothing."""
+
+    def restore() -> None:
+        consumer.calls.append("restore")
+        worker.restoring.clear()
+
+    monkeypatch.setattr(worker, "_restore", restore)
+
+    def assign() -> list:
+        worker._on_assign(consumer, [TopicPartition(worker.topics.input, 0)])
+        return []
+
+    def assign_nothing() -> list:
+        worker._on_assign(consumer, [])
+        return []
+
+    consumer = ScriptedConsumer(worker, [assign_nothing, [], assign, []])
+    real_consumer, worker.consumer = worker.consumer, consumer
+    try:
+        for _ in range(4):
+            worker._step()
+    finally:
+        worker.consumer = real_consumer
+    topic = worker.topics.input
+    assert consumer.calls == [f"metadata of {topic}", f"metadata of {topic}", "restore"]
