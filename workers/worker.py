@@ -327,10 +327,10 @@ class Worker:
         wait = CONSUME_WAIT_S if self.assigned else UNASSIGNED_WAIT_S
         consume_started = time.perf_counter()
         messages = self.consumer.consume(self.settings.max_batch, min(wait, max(due_in, 0.0)))
-        if self._rebalanced:
-            self._rejoin_promptly()
         if self.restoring:
             messages = self._restore_before_handling(messages)
+        if self._rebalanced:  # after the restore: a join's first output waits for that, not this
+            self._rejoin_promptly()
         now = time.time()
         if messages:
             handle_started = time.perf_counter()
@@ -359,9 +359,12 @@ class Worker:
         partitions 0.94 s later, with nothing else happening). Any metadata response resets that
         interval (librdkafka's rdkafka_metadata.c, `rd_interval_reset(&rkcg_join_intvl)` for
         the classic protocol), so one small request after each callback lets the second round
-        start as soon as the coordinator calls for it. Made here, outside the callback: a
-        consumer's own `list_topics` inside its rebalance callback aborts the process (see
-        `_missing_topics`). A failure only means the round starts at librdkafka's own pace.
+        start as soon as the coordinator calls for it (a round trip, after the restore when
+        there is one: the callbacks that precede a second round bring no partitions to
+        restore, and a new assignment's first output should not wait for it). Made here,
+        outside the callback: a consumer's own `list_topics` inside its rebalance callback
+        aborts the process (see `_missing_topics`). A failure only means the round starts at
+        librdkafka's own pace.
         """
         self._rebalanced = False
         try:
