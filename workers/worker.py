@@ -40,7 +40,13 @@ from confluent_kafka import (
 from pipeline.processor import BatchResult, DeadLetter, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, dump_json
-from workers.changelog import RestoreInterrupted, apply_latest, changelog_record, read_latest
+from workers.changelog import (
+    RestoreInterrupted,
+    apply_latest,
+    changelog_record,
+    collector_paused,
+    read_latest,
+)
 from workers.checkpointing import (
     RESTART_EXIT_CODE,
     Checkpoint,
@@ -713,17 +719,19 @@ class Worker:
         if self.strategy.restore_skips_ahead_of_commit:
             committed_input = {tp.partition: tp.offset for tp in self._committed(partitions)}
         try:
-            latest = read_latest(
-                self.connection,
-                self.settings.group,
-                self.topics.changelog,
-                partitions,
-                lambda: self.stop.requested,
-            )
+            with collector_paused():
+                latest = read_latest(
+                    self.connection,
+                    self.settings.group,
+                    self.topics.changelog,
+                    partitions,
+                    lambda: self.stop.requested,
+                )
+                restored = apply_latest(latest, self.processor, committed_input)
+                del latest
         except RestoreInterrupted as interrupted:
             log.info("%s; leaving them unrestored", interrupted)
             return
-        restored = apply_latest(latest, self.processor, committed_input)
         self.owners.update(restored.owners)
         for letter in restored.failed:
             self._dead_letter(letter)
