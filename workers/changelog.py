@@ -17,11 +17,9 @@ restore goes on. One bad record must not stop every future owner of the partitio
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,26 +91,6 @@ class Restored:
     owners: dict[str, int] = field(default_factory=dict)  # request id -> partition
     failed: list[DeadLetter] = field(default_factory=list)
     records: int = 0
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Run a restore with Python's cyclic garbage collector paused.
-
-    A restore holds every changelog record it read (a million, for a million open requests)
-    until it has applied them, and the collector's full passes walk all of them again each time
-    allocations pile up: they doubled the restore of 100k requests and grow faster than the
-    records do. Nothing a restore makes forms a reference cycle (records, bytes, the states
-    `pipeline.request_state` keeps), so those passes free nothing; reference counting frees
-    the records once applied, and the collector resumes as it was.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def read_latest(
