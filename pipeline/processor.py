@@ -6,9 +6,10 @@ results (`pipeline.results`): text deltas, completions, filtered-id records and 
 never sees Kafka: the caller hands it parsed events with an opaque `Origin` and ships whatever
 comes back.
 
-State lives in `RequestProcessor.requests` (request id -> `pipeline.request_state` record); the
-worker snapshots the requests a batch touched into its changelog (`snapshot`), rebuilds them after
-a crash or a rebalance (`restore`), and drops those of a revoked partition (`forget`).
+State lives in `RequestProcessor.requests` (request id -> `pipeline.request_state` record, or a
+`RestoredRequest` not rebuilt since its restore); the worker snapshots the requests a batch
+touched into its changelog (`snapshot`), rebuilds them after a crash or a rebalance
+(`restore`), and drops those of a revoked partition (`forget`).
 
 One rule holds throughout: whatever goes wrong with one request (a broken event, a decoder that
 raises, an output past the broker's limit) ends that request, with a dead letter for each of its
@@ -67,9 +68,6 @@ from schemas.validation import is_record_fault
 # that reorder do so by a few events (retries across partitions leaders); a request whose gap
 # needs more than this is broken upstream, and holding more only grows memory and changelog.
 MAX_HELD_EVENTS = 64
-
-
-_ACTIVE_TYPES = (ActiveRequest, RestoredRequest)
 
 
 @dataclass
@@ -1167,7 +1165,8 @@ class RequestProcessor:
         segments: Mapping[int, bytes] | None = None,
     ) -> None:
         """Put back one request from its changelog value (None removes it) and its text
-        segments (number -> value).
+        segments (number -> value). An active request is kept as its checked head and rebuilt
+        when first needed (`pipeline.request_state`, 'lazy restore'): `state` gives it rebuilt.
 
         Raises `SnapshotError` for a value it cannot restore, leaving the request's state as it
         was; the caller then decides (the worker: `mark_failed` and a dead letter).
@@ -1209,7 +1208,9 @@ class RequestProcessor:
 
     @property
     def active_requests(self) -> int:
-        return sum(type(s) in _ACTIVE_TYPES for s in self.requests.values())
+        return sum(
+            type(s) is ActiveRequest or type(s) is RestoredRequest for s in self.requests.values()
+        )
 
 
 def _prompt_tokens(event: ParsedPrompt) -> int:
