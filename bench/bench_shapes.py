@@ -278,6 +278,10 @@ def changelog_ratio(
 # -- the open backlog ---------------------------------------------------------------------------
 
 
+# RSS is read this long after the restore's log line: the worker frees the records it read
+# (a million, for a million open requests) as the restore returns, and a loaded host can take
+# a moment to run that.
+RSS_SETTLE_S = 3.0
 RESTORED_AFTER_ASSIGNMENT = re.compile(r": restored at \+([0-9.]+) s after their assignment")
 RESTORE_CPU = re.compile(r"restored \d+ requests of partitions .* \(([0-9.]+) s CPU")
 
@@ -390,6 +394,7 @@ def restore_after_kill(
         successor.wait(60)
         raise
     to_restored = time.monotonic() - started
+    time.sleep(RSS_SETTLE_S)
     status = vm_status(successor.pid)
     text = log.read_text()
     return successor, {
