@@ -448,8 +448,8 @@ class RestoredRequest(msgspec.Struct, frozen=True, gc=False):
     """An active request as restored, not rebuilt yet: its changelog head (which passed every
     check `decode_snapshot` makes, so rebuilding it cannot fail) and the text of its segments.
 
-    Smaller than the live state it stands for (a ~300-byte head against ~800 bytes of objects
-    for a prompt-only request), and untracked by the garbage collector (`gc=False`: it holds
+    Smaller than the live state it stands for (a ~330-byte head against over a kilobyte of
+    objects for a prompt-only request), and untracked by the garbage collector (`gc=False`: it holds
     only a bytes, a str and a float, so it can be part of no reference cycle).
     """
 
