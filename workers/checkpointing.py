@@ -54,11 +54,13 @@ STILL_WAITING_LOG_INTERVAL_S = 10.0
 # seen never to return (librdkafka #3779 and #4420 report such blocked transactional calls).
 # Every transactional call therefore runs on its producer's own thread (`_ProducerCalls`), and a
 # call that has not returned this long after its own timeout is wedged inside the client: its
-# producer is replaced (`ExactlyOnce._replace`). A call returns within its timeout plus
-# librdkafka's own scheduling, a second or two on a starved host, so 8 s more is no slow call;
-# a false alarm would cost a fencing and a restore, never a record. The bound is what a wedge
-# adds to a stall, so it is kept well below the 30 s transaction timeout and the group's 10 s
-# session timeout doubled: a worker wedged after an outage resumes seconds after its brokers.
+# producer is replaced (`ExactlyOnce._replace`). A call returns by its timeout plus librdkafka's
+# own queueing, which a CPU-starved host stretches; 8 s more (four call timeouts) is past any
+# slow call. A false alarm costs a fencing and a restore, never a record, so the bound leans
+# short: it is what a wedge adds to a stall (the watchdog this replaced waited 60 s and then
+# exited), and it stays below the 30 s transaction timeout, so a worker wedged after an outage
+# resumes seconds after its brokers do. It is also how far past its shutdown deadline a worker
+# stopping during a wedged call can run.
 WEDGED_CALL_SLACK_S = 8.0
 # librdkafka's idempotent producer raises these as fatal when a partition leader dies with
 # records in flight and the new leader's sequence state disagrees with the producer's (seen after

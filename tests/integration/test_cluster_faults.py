@@ -228,6 +228,7 @@ def run_with_fault(
         wait_for_completions(run, int(len(expected) * FAULT_AFTER_SHARE), WAIT_BOUND_S * 2)
         fault_at = time.time()
         fault(run)
+        fault_s = time.time() - fault_at  # until the fault's brokers were back
         replayer.join(COMPLETION_BOUND_S)
         assert not replayer.is_alive(), "the replay did not finish"
         assert replayer.error is None, f"replay failed: {replayer.error!r}"
@@ -244,7 +245,7 @@ def run_with_fault(
     assert completions_on(run.bootstrap, names) == expected
     assert_deltas_cover_exactly_once(run.bootstrap, names, expected)
     assert list(read_messages(run.bootstrap, names.dead_letters)) == []
-    report_figures(label, run, fault_at, logs.count(REPLACED_MARK))
+    report_figures(label, run, fault_at, fault_s, logs.count(REPLACED_MARK))
 
 
 def wait_until_both_restored(run: Run) -> None:
@@ -276,7 +277,9 @@ def wait_for_completions(run: Run, count: int, bound_s: float) -> None:
         time.sleep(1.0)
 
 
-def report_figures(label: str, run: Run, fault_at: float, replacements: int) -> None:
+def report_figures(
+    label: str, run: Run, fault_at: float, fault_s: float, replacements: int
+) -> None:
     """Print the longest gap between committed deltas, the throughput dip after the fault, and
     how many producers the workers replaced in process.
 
@@ -307,7 +310,8 @@ def report_figures(label: str, run: Run, fault_at: float, replacements: int) -> 
     after = [windows.get(w, 0) / WINDOW_S for w in range(max(windows, default=0))]
     lowest = min(after) if after else float("nan")
     print(
-        f"\n[cluster fault] {label}: longest gap between committed deltas {longest:.1f} s "
+        f"\n[cluster fault] {label} (brokers back after {fault_s:.0f} s): "
+        f"longest gap between committed deltas {longest:.1f} s "
         f"(starting {gap_start - fault_at:+.1f} s from the fault); throughput before the fault "
         f"{baseline:.0f} events/s, slowest {WINDOW_S:.0f}-s window after it {lowest:.0f} "
         f"events/s ({throughput_dip(baseline, lowest)}), last delta {stamps[-1] - fault_at:.0f} s "
