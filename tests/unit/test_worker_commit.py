@@ -27,9 +27,12 @@ from workers.checkpointing import (
     Deadline,
     ExactlyOnce,
     FatalWorkerError,
+    Output,
+    ProducerFailed,
 )
 from workers.config import WorkerSettings
 from workers.output_limits import OutputLimits
+from workers.output_writer import OutputWriter
 from workers.prometheus import PrometheusMetrics
 from workers.topic_names import TopicNames
 from workers.worker import Worker
@@ -328,3 +331,30 @@ def test_a_fencing_stays_fatal_and_replacing_is_bounded(monkeypatch) -> None:
         for producer in never_ready:
             producer.release.set()
         strategy.close()
+
+
+class FatalProducer:
+    """`produce` once librdkafka put the producer in a fatal state: `_FATAL`, whatever the cause
+    (a lost sequence state, a fencing); only a transactional call names that cause."""
+
+    def produce(self, *args: object, **kwargs: object) -> None:
+        raise KafkaException(KafkaError(KafkaError._FATAL))
+
+
+def test_a_produce_refused_by_a_fatal_producer_is_left_to_the_commit_under_exactly_once() -> None:
+    """Under exactly-once the open transaction can no longer commit, so the commit that follows
+    meets the producer's own error (replaced if a new producer recovers, fatal if fenced); under
+    at-least-once, where offsets follow outputs, a record not produced stops the worker."""
+    topics = TopicNames()
+    limits = OutputLimits({name: 1_048_588 for name in topics.model_dump().values()})
+    metrics = PrometheusMetrics(["bytes"], registry=None)
+    writer = OutputWriter(
+        FatalProducer(), limits, topics, object(), metrics, group="g", instance_id="w0"
+    )
+    with pytest.raises(ProducerFailed) as failed:
+        writer.write(Output(topics.deltas, b"r1", b"{}"))
+    exactly_once = ExactlyOnce("detok-g-w0", Deadline())
+    exactly_once.producer_failed(failed.value)  # returns: the commit finds out
+    exactly_once.close()
+    with pytest.raises(ProducerFailed):
+        AtLeastOnce(Deadline()).producer_failed(failed.value)
