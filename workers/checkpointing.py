@@ -283,7 +283,8 @@ class ExactlyOnce:
         self._calls: _ProducerCalls | None = None
         self._renew: Callable[[str], Producer] | None = None
         # Replaced producers, kept referenced so that none is destroyed while the worker runs:
-        # destroying one blocks while its broker threads wind down, or for ever if it is wedged.
+        # destroying a librdkafka client waits for its threads to end, which a producer in an
+        # unknown state (a call of it still wedged) may never do.
         self._abandoned: list[_ProducerCalls] = []
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detok-commit")
         self._in_flight: Future[CommitOutcome] | None = None
