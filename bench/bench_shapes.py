@@ -10,11 +10,15 @@ else on the local broker, with real tokenizers:
                 limit, so replay sends them whole) and as 64-id tails (`replay --prompt-tail
                 64`, exact: README 'Prompt tails'; as many requests as today's workload);
   long gens     16k-32k generated ids per request;
-  backlog       N prompt-only requests never finished (default 200,000; `--backlog 1000000`):
-                worker RSS per open request (slope between N/2 and N, fixed costs cancel),
-                kill -9, then the successor's restore time (its log line) and the time from
-                its start to that line, then the successor idles with the N requests for
+  backlog       N prompt-only requests never finished (default 200,000; `--open-requests
+                1000000`, alias `--backlog`): worker RSS per open request (slope between N/2
+                and N, fixed costs cancel), kill -9, then the successor's restore time (its log
+                line), from its assignment to restored (its timeline) and from its start, its
+                RSS per restored request (above the same worker's RSS with none open) and the
+                load average then; then the successor idles with the N requests for
                 `--idle-seconds` and its TTL sweeps' share of that time (its run summary).
+                `--compare-with TREE`: that checkout's worker restores the same changelog
+                first (killed -9 in turn), so before and after come from one run.
 
 Generated tokens/s are the worker's own (first consume to last commit, from its run summary).
 Changelog bytes per request (key + value + headers of every record written for it, read back
@@ -22,16 +26,20 @@ before compaction could run) are compared with the request's final text bytes (i
 the target is at most 2x the text plus a small constant. "before" is what the format before
 text segments would have written in the same run (each head with the whole text so far).
 
-    python -m bench.bench_shapes [--quick] [--backlog N] [--json] [--kafka-config FILE] [-X K=V]
+    python -m bench.bench_shapes [--quick] [--open-requests N] [--compare-with TREE] [--json]
+                                 [--kafka-config FILE] [-X K=V]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,8 +56,10 @@ from bench.bench_e2e import (
     PARTITIONS,
     REPO_ROOT,
     RESTORED,
+    THIS_TREE,
     WAIT_BOUND_S,
     Kafka,
+    Tree,
     Workload,
     build_workload,
     committed_offsets,
@@ -268,10 +278,28 @@ def changelog_ratio(
 # -- the open backlog ---------------------------------------------------------------------------
 
 
+# RSS is read this long after the restore's log line: the worker frees the records it read
+# (a million, for a million open requests) as the restore returns, and a loaded host can take
+# a moment to run that.
+RSS_SETTLE_S = 3.0
+RESTORED_AFTER_ASSIGNMENT = re.compile(r": restored at \+([0-9.]+) s after their assignment")
+RESTORE_CPU = re.compile(r"restored \d+ requests of partitions .* \(([0-9.]+) s CPU")
+
+
 def backlog(
-    kafka: Kafka, base: Workload, specs: list[str], count: int, idle_s: float, logs: Path
+    kafka: Kafka,
+    base: Workload,
+    specs: list[str],
+    count: int,
+    idle_s: float,
+    logs: Path,
+    compare: Tree | None = None,
 ) -> dict[str, Any]:
-    """`count` prompt-only requests: RSS per open request, restore after kill -9, sweep share."""
+    """`count` prompt-only requests: RSS per open request, restore after kill -9, sweep share.
+
+    With `compare`, that tree's worker restores the same changelog first (and is killed -9 in
+    turn), then this tree's: before and after, one changelog, one run, the same load.
+    """
     prefix = f"shape-backlog-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
     ensure_topics(kafka.connection, names, PARTITIONS)
@@ -283,6 +311,7 @@ def backlog(
     rss = []
     try:
         wait_for(lambda: "restored" in log.read_text(), "the backlog worker's assignment")
+        empty = vm_status(worker.pid)
         for half in range(2):
             producer = make_producer(kafka.connection, {"linger.ms": 50})
             for position in range(count // 2):
@@ -314,41 +343,77 @@ def backlog(
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait(60)
+    opened = count - count % 2
     per_request = (rss[1]["VmRSS"] - rss[0]["VmRSS"]) / (count // 2)
     changelog_bytes = sum(topic_bytes(kafka.connection, names.changelog).values())
+    restores = {}
+    if compare is not None:
+        successor, restore = restore_after_kill(command, opened, logs / f"{prefix}-0.log", compare)
+        successor.send_signal(signal.SIGKILL)
+        successor.wait(60)
+        restores[compare.label] = restore | per_open_request(restore, empty, opened)
     log_b = logs / f"{prefix}-b.log"
     started = time.monotonic()
-    successor = start(command, log_b)
+    successor, restore = restore_after_kill(command, opened, log_b, THIS_TREE)
+    restores[THIS_TREE.label] = restore | per_open_request(restore, empty, opened)
     try:
-        wait_for(
-            lambda: (
-                sum(int(m.group(1)) for m in RESTORED.finditer(log_b.read_text()))
-                >= count - count % 2
-            ),
-            "the successor's restore",
-        )
-        to_restored = time.monotonic() - started
-        after_restore = vm_status(successor.pid)
         time.sleep(idle_s)
     finally:
         successor.send_signal(signal.SIGTERM)
         successor.wait(120)
-    restores = RESTORED.findall(log_b.read_text())
     (summary,) = summaries(log_b) or [{}]
     drop_topics(kafka.connection, names)
     lifetime = time.monotonic() - started
     return {
-        "open_requests": count - count % 2,
+        "open_requests": opened,
         "bytes_per_open_request": per_request,
         "rss_full": rss[1]["VmRSS"],
-        "changelog_bytes_per_request": changelog_bytes / (count - count % 2),
-        "restore_s": sum(float(s) for _, s in restores),
-        "start_to_restored_s": to_restored,
-        "rss_after_restore": after_restore["VmRSS"],
+        "changelog_bytes_per_request": changelog_bytes / opened,
+        "restores": restores,
+        **restores[THIS_TREE.label],
         "sweep_s": summary.get("expire_s"),
         "idle_s": lifetime,
         "sweep_share": (summary.get("expire_s") or 0.0) / lifetime,
     }
+
+
+def restore_after_kill(
+    command: list[str], count: int, log: Path, tree: Tree
+) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """Start a successor from `tree` and wait until it restored `count` requests: its restore
+    time (its log line), from assignment to restored (its timeline) and from its start."""
+    started = time.monotonic()
+    successor = start(command, log, tree=tree)
+    try:
+        wait_for(
+            lambda: sum(int(m.group(1)) for m in RESTORED.finditer(log.read_text())) >= count,
+            f"the {tree.label} successor's restore",
+        )
+    except BaseException:
+        successor.send_signal(signal.SIGKILL)
+        successor.wait(60)
+        raise
+    to_restored = time.monotonic() - started
+    time.sleep(RSS_SETTLE_S)
+    status = vm_status(successor.pid)
+    text = log.read_text()
+    return successor, {
+        "restore_s": sum(float(s) for _, s in RESTORED.findall(text)),
+        "assignment_to_restored_s": sum(map(float, RESTORED_AFTER_ASSIGNMENT.findall(text))),
+        # Only a worker that logs it (not one from before it did): None then.
+        "restore_cpu_s": sum(map(float, cpu)) if (cpu := RESTORE_CPU.findall(text)) else None,
+        "start_to_restored_s": to_restored,
+        "rss_after_restore": status["VmRSS"],
+        "peak_rss": status["VmHWM"],
+        "load_average": os.getloadavg(),
+    }
+
+
+def per_open_request(
+    restore: dict[str, Any], empty: dict[str, int], count: int
+) -> dict[str, float]:
+    """RSS per open request once restored: above what the same worker held with none open."""
+    return {"bytes_per_restored_request": (restore["rss_after_restore"] - empty["VmRSS"]) / count}
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -362,10 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=20_000, help="today's workload")
     parser.add_argument("--long-prompt-requests", type=int, default=1_000)
     parser.add_argument("--long-generations", type=int, default=96)
-    parser.add_argument("--backlog", type=int, default=200_000)
+    parser.add_argument("--backlog", "--open-requests", type=int, default=200_000)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="4,000 / 300 / 24 / 100,000")
     parser.add_argument("--skip", default="", help="comma-separated: prompts,generations,backlog")
+    parser.add_argument(
+        "--compare-with",
+        type=Path,
+        metavar="TREE",
+        help="a checkout of the code before a change (`git worktree add /tmp/base <commit>`): "
+        "its worker restores the backlog too, before this tree's, in the same run",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -428,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         "logs": str(logs),
     }
     if "backlog" not in skip:
-        report["backlog"] = backlog(kafka, base, specs, args.backlog, args.idle_seconds, logs)
+        compare = Tree("base", args.compare_with.resolve()) if args.compare_with else None
+        report["backlog"] = backlog(
+            kafka, base, specs, args.backlog, args.idle_seconds, logs, compare
+        )
         note(f"backlog: {json.dumps(report['backlog'])}")
     if args.json:
         print(json.dumps(report, indent=2))
@@ -462,12 +537,21 @@ def print_table(report: dict[str, Any]) -> None:
         b = backlog_report
         print(
             f"\nbacklog of {b['open_requests']:,} open requests: "
-            f"{b['bytes_per_open_request']:,.0f} B RSS each (target <= 1024), changelog "
-            f"{b['changelog_bytes_per_request']:,.0f} B each; after kill -9 the successor "
-            f"restored them in {b['restore_s']:.1f} s ({b['start_to_restored_s']:.1f} s from its "
-            f"start; target 20 s at 1M); TTL sweeps {b['sweep_s']} s of {b['idle_s']:.0f} s "
-            f"({100 * b['sweep_share']:.2f}%; target < 5%)"
+            f"{b['bytes_per_open_request']:,.0f} B RSS each while live (target <= 1024), "
+            f"changelog {b['changelog_bytes_per_request']:,.0f} B each; TTL sweeps "
+            f"{b['sweep_s']} s of {b['idle_s']:.0f} s ({100 * b['sweep_share']:.2f}%; target < 5%)"
         )
+        print("after kill -9, a successor restores them (target: 20 s at 1M):")
+        for label, r in b["restores"].items():
+            load = ", ".join(f"{x:.1f}" for x in r["load_average"])
+            cpu = "" if r["restore_cpu_s"] is None else f" ({r['restore_cpu_s']:.1f} s CPU)"
+            print(
+                f"  {label:5} restore {r['restore_s']:.1f} s{cpu} (log line), assignment to "
+                f"restored {r['assignment_to_restored_s']:.1f} s, start to restored "
+                f"{r['start_to_restored_s']:.1f} s; {r['bytes_per_restored_request']:,.0f} B RSS "
+                f"per restored request, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB; "
+                f"load average {load}"
+            )
     print(f"\nlogs: {report['logs']}")
 
 

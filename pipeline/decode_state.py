@@ -10,7 +10,9 @@ from __future__ import annotations
 import operator
 from array import array
 from collections.abc import Generator, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
+
+import msgspec
 
 U32 = 1 << 32
 SNAPSHOT_VERSION = 2
@@ -244,6 +246,38 @@ def read_snapshot(data: Any) -> Snapshot:
         filtered_prompt_ids=filtered,
         needs_seeding=version == 1 and not started,
     )
+
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=U32)]
+
+
+class CheckedSnapshot(msgspec.Struct):
+    """A version 2 `snapshot()` as a typed record: what a restore decodes to check a stream's
+    snapshot in one C-speed pass, without building the stream (a lazy restore builds it only
+    when the request's next event comes: `pipeline.request_state.RestoredRequest`).
+
+    At least as strict as `read_snapshot`: exact JSON types (msgspec takes no bool for an int,
+    no float for an int), the same value ranges, plus `snapshot_is_consistent`. A value it
+    refuses is not necessarily bad: the caller then reads it with `read_snapshot`, whose error
+    names the fault.
+    """
+
+    version: Literal[2]
+    skip_special_tokens: bool
+    unknown_generated_ids: UnknownPolicy
+    ids: list[TokenId]
+    prefix: str
+    prefix_index: int
+    started: bool
+    held: str
+    filtered_prompt_ids: list[TokenId]
+
+
+def snapshot_is_consistent(data: CheckedSnapshot) -> bool:
+    """The cross-field rules of `read_snapshot`, for a snapshot whose types already hold."""
+    if not 0 <= data.prefix_index <= len(data.ids):
+        return False
+    return not (data.held and (data.prefix or data.prefix_index))
 
 
 def _field(data: dict[str, Any], name: str, kind: type) -> Any:

@@ -6,9 +6,10 @@ results (`pipeline.results`): text deltas, completions, filtered-id records and 
 never sees Kafka: the caller hands it parsed events with an opaque `Origin` and ships whatever
 comes back.
 
-State lives in `RequestProcessor.requests` (request id -> `pipeline.request_state` record); the
-worker snapshots the requests a batch touched into its changelog (`snapshot`), rebuilds them after
-a crash or a rebalance (`restore`), and drops those of a revoked partition (`forget`).
+State lives in `RequestProcessor.requests` (request id -> `pipeline.request_state` record, or a
+`RestoredRequest` not rebuilt since its restore); the worker snapshots the requests a batch
+touched into its changelog (`snapshot`), rebuilds them after a crash or a rebalance
+(`restore`), and drops those of a revoked partition (`forget`).
 
 One rule holds throughout: whatever goes wrong with one request (a broken event, a decoder that
 raises, an output past the broker's limit) ends that request, with a dead letter for each of its
@@ -40,11 +41,13 @@ from pipeline.request_state import (
     FinishedRequest,
     HeldEvent,
     RequestState,
-    decode_snapshot,
+    RestoredRequest,
     encode_head,
     encode_snapshot,
     json_prefix,
     json_size,
+    rebuild,
+    restore_state,
     segment_key,
 )
 from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
@@ -108,7 +111,7 @@ class RequestProcessor:
         # past this many bytes of held records in one request, it fails like a gap that never
         # closes, before its snapshot outgrows the changelog's record size. None: no limit.
         self.max_held_bytes = max_held_bytes
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState | RestoredRequest] = {}
         # Requests that ended since their last changelog records, with how many text segments
         # they had there: each segment key gets a tombstone (`changelog_records`).
         self.retired_segments: dict[str, int] = {}
@@ -176,6 +179,8 @@ class RequestProcessor:
                 "no prompt event was seen for this request",
             )
             return
+        if type(state) is RestoredRequest:
+            state = self._rebuilt(request_id, state)
         state.last_event_at = max(state.last_event_at, at)
         if isinstance(state, FailedRequest):
             self._dead_letter(
@@ -1003,6 +1008,10 @@ class RequestProcessor:
                 break
             at = reference_of(request_id)
             idle = at - state.last_event_at
+            if type(state) is RestoredRequest:
+                if idle < self.request_ttl_s:
+                    continue
+                state = self._rebuilt(request_id, state)
             if type(state) is ActiveRequest:
                 if idle < self.request_ttl_s:
                     continue
@@ -1015,7 +1024,7 @@ class RequestProcessor:
             ended += 1
         return result
 
-    def _due(self, latest: float | None) -> list[tuple[str, RequestState]]:
+    def _due(self, latest: float | None) -> list[tuple[str, RequestState | RestoredRequest]]:
         """The requests an expiry must look at: all of them, or with `latest` only those idle
         for at least the shorter bound at `latest`. A worker with a million open requests
         called the reference of each once a second, a sweep costing most of its loop; the
@@ -1122,7 +1131,7 @@ class RequestProcessor:
 
     def snapshot(self, request_id: str) -> bytes | None:
         """The changelog value of one request, or None when it is gone (a tombstone)."""
-        state = self.requests.get(request_id)
+        state = self.state(request_id)
         return None if state is None else encode_snapshot(state)
 
     def changelog_records(self, request_id: str) -> list[tuple[bytes, bytes | None]]:
@@ -1134,7 +1143,7 @@ class RequestProcessor:
             (segment_key(request_id, number), None)
             for number in range(self.retired_segments.pop(request_id, 0))
         ]
-        state = self.requests.get(request_id)
+        state = self.state(request_id)
         if type(state) is ActiveRequest:
             segment, head = encode_head(state)
             if segment is not None:
@@ -1156,7 +1165,8 @@ class RequestProcessor:
         segments: Mapping[int, bytes] | None = None,
     ) -> None:
         """Put back one request from its changelog value (None removes it) and its text
-        segments (number -> value).
+        segments (number -> value). An active request is kept as its checked head and rebuilt
+        when first needed (`pipeline.request_state`, 'lazy restore'): `state` gives it rebuilt.
 
         Raises `SnapshotError` for a value it cannot restore, leaving the request's state as it
         was; the caller then decides (the worker: `mark_failed` and a dead letter).
@@ -1164,16 +1174,27 @@ class RequestProcessor:
         if snapshot is None:
             self.requests.pop(request_id, None)
             return
-        self.requests[request_id] = decode_snapshot(
+        self.requests[request_id] = restore_state(
             request_id, snapshot, self._tokenizer_of, segments
         )
+
+    def state(self, request_id: str) -> RequestState | None:
+        """A request's state, rebuilt first if it is still as restored (`RestoredRequest`)."""
+        state = self.requests.get(request_id)
+        if type(state) is RestoredRequest:
+            return self._rebuilt(request_id, state)
+        return state
+
+    def _rebuilt(self, request_id: str, restored: RestoredRequest) -> ActiveRequest:
+        state = self.requests[request_id] = rebuild(request_id, restored, self._tokenizer_of)
+        return state
 
     def mark_failed(
         self, request_id: str, reason: DeadLetterReason, now: float | None = None
     ) -> None:
         """Record a request as failed (its state could not be restored): its later events are
         dead-lettered `request_already_failed` instead of being taken for a new request's."""
-        state = self.requests.get(request_id)
+        state = self.state(request_id)
         if type(state) is ActiveRequest:
             self._retire(request_id, state)
         self.requests[request_id] = FailedRequest(
@@ -1187,7 +1208,9 @@ class RequestProcessor:
 
     @property
     def active_requests(self) -> int:
-        return sum(type(s) is ActiveRequest for s in self.requests.values())
+        return sum(
+            type(s) is ActiveRequest or type(s) is RestoredRequest for s in self.requests.values()
+        )
 
 
 def _prompt_tokens(event: ParsedPrompt) -> int:

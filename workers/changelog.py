@@ -176,19 +176,22 @@ def apply_latest(
     """
     restored = Restored()
     heads, segments = _heads_and_segments(latest, committed_input)
+    owners = restored.owners
+    restore = target.restore
     for key, message in heads.items():
         restored.records += 1
         request_id: str | None = None
-        own_segments = segments.get(key, {})
+        own_segments = segments.get(key)
         try:
             request_id = key.decode() if key is not None else None
             if request_id is None:
                 raise ValueError("changelog record without a key")
             if committed_input is not None and _ahead_of_commit(message, committed_input):
                 continue
-            target.restore(request_id, message.value(), own_segments)
-            if message.value() is not None:
-                restored.owners[request_id] = message.partition()
+            value = message.value()
+            restore(request_id, value, own_segments)
+            if value is not None:
+                owners[request_id] = message.partition()
         except Exception as error:  # the per-record rule: any failure fails this record only
             restored.failed.append(
                 DeadLetter(
@@ -202,7 +205,7 @@ def apply_latest(
             )
             if request_id is not None:
                 target.mark_failed(request_id, DeadLetterReason.RESTORE_FAILED)
-                restored.owners[request_id] = message.partition()
+                owners[request_id] = message.partition()
                 if own_segments:
                     # Its segments can never be read now: tombstones with its failed marker.
                     target.retired_segments[request_id] = max(own_segments) + 1

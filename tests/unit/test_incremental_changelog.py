@@ -69,7 +69,7 @@ def test_segments_carry_the_text_once_and_restore_exactly(registry, chunks, data
         heads.append(len(log[b"r"] or b""))
         # A restore from the compacted log continues exactly as the original.
         restored = restore_from(registry, log)
-        original, copy = processor.requests["r"], restored.requests["r"]
+        original, copy = processor.requests["r"], restored.state("r")
         assert isinstance(original, ActiveRequest) and isinstance(copy, ActiveRequest)
         assert copy.text() == original.text()
         assert (copy.text_chars, copy.text_size) == (original.text_chars, original.text_size)
@@ -96,7 +96,7 @@ def test_a_version_1_snapshot_restores_and_its_text_becomes_segment_0(registry) 
     del value["state"]["text_segments"]  # what today's (version 1) worker wrote
     restored = RequestProcessor(registry)
     restored.restore("r", json.dumps(value).encode())
-    assert restored.requests["r"].text() == "Hello 你好"
+    assert restored.state("r").text() == "Hello 你好"
     run(restored, tokens(3, "!"))
     records = dict(restored.changelog_records("r"))
     assert records[b"r\xff0"] == "Hello 你好!".encode()

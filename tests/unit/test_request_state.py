@@ -91,7 +91,7 @@ def test_a_held_event_with_a_null_header_value_snapshots_and_restores(registry) 
     original = held_request(registry, headers=headers, key=b"r", timestamp_ms=1_700_000_000_000)
     restored = RequestProcessor(registry)
     restored.restore("r", original.snapshot("r"))
-    (held,) = restored.requests["r"].held.values()
+    (held,) = restored.state("r").held.values()
     assert held.origin.headers == headers and held.origin.key == b"r"
     assert held.origin.timestamp_ms == 1_700_000_000_000
     assert restored.snapshot("r") == original.snapshot("r")
