@@ -109,26 +109,30 @@ def build_entries(
         start = min(offsets[index], cut)
         end = min(offsets[index + 1] if index + 1 < count else end_of_text, cut)
         token_id = ids[index]
-        alternatives = []
-        for pair in tops[index]:
+        # One join of the entry's pieces: a format per alternative cost a fifth more.
+        parts = [
+            cached(token_id) or token_prefix(profile, token_id),
+            b',"text":',
+            encode_json(tail[start - tail_start : end - tail_start]),
+            b',"text_offset":%d,"logprob":' % start,
+            values_json[index - first],
+            b',"top_logprobs":[',
+        ]
+        pairs = tops[index]
+        for pair in pairs:
             alt_id = pair[0]
-            alternatives.append(
-                b'%s,"logprob":%s}'
-                % (cached(alt_id) or token_prefix(profile, alt_id), alt_values[position])
+            parts += (
+                cached(alt_id) or token_prefix(profile, alt_id),
+                b',"logprob":',
+                alt_values[position],
+                b"},",
             )
             position += 1
-        entries.append(
-            LogprobEntry(
-                b'%s,"text":%s,"text_offset":%d,"logprob":%s,"top_logprobs":[%s]}'
-                % (
-                    cached(token_id) or token_prefix(profile, token_id),
-                    encode_json(tail[start - tail_start : end - tail_start]),
-                    start,
-                    values_json[index - first],
-                    b",".join(alternatives),
-                )
-            )
-        )
+        if pairs:
+            parts[-1] = b"}]}"  # the last alternative's "}," closes the list and the entry
+        else:
+            parts.append(b"]}")
+        entries.append(LogprobEntry(b"".join(parts)))
     return entries
 
 
