@@ -16,11 +16,12 @@ stopping worker alive for minutes during a broker outage.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import Any, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
@@ -50,22 +51,23 @@ MAX_RETRY_PAUSE_S = 5.0
 STILL_WAITING_LOG_INTERVAL_S = 10.0
 # A transactional client call is given at most CALL_TIMEOUT_S, yet after every broker of a
 # cluster was stopped and started again, abort_transaction and send_offsets_to_transaction were
-# seen never to return (both workers of a test silent for minutes; librdkafka #3779 and #4420
-# report such blocked transactional calls). A call still running this long after it started is
-# wedged inside the client: the worker exits (RESTART_EXIT_CODE, the cause logged) for its
-# supervisor to restart it, and the restart's init_transactions fences and aborts what was open,
-# so nothing is lost or duplicated. Far above any call's own timeout, so only a wedge trips it.
-BLOCKED_CALL_LIMIT_S = 60.0
-# The exit code of a worker whose Kafka client became unusable while nothing is wrong with the
-# worker or its data (a wedged call, above; a producer's sequence state lost, below): restart me.
-RESTART_EXIT_CODE = 70  # EX_SOFTWARE: an internal error
+# seen never to return (librdkafka #3779 and #4420 report such blocked transactional calls).
+# Every transactional call therefore runs on its producer's own thread (`_ProducerCalls`), and a
+# call that has not returned this long after its own timeout is wedged inside the client: its
+# producer is replaced (`ExactlyOnce._replace`). A call returns by its timeout plus librdkafka's
+# own queueing, which a CPU-starved host stretches; 8 s more (four call timeouts) is past any
+# slow call. A false alarm costs a fencing and a restore, never a record, so the bound leans
+# short: it is what a wedge adds to a stall (the watchdog this replaced waited 60 s and then
+# exited), and it stays below the 30 s transaction timeout, so a worker wedged after an outage
+# resumes seconds after its brokers do. It is also how far past its shutdown deadline a worker
+# stopping during a wedged call can run.
+WEDGED_CALL_SLACK_S = 8.0
 # librdkafka's idempotent producer raises these as fatal when a partition leader dies with
 # records in flight and the new leader's sequence state disagrees with the producer's (seen after
 # a kill -9 of a leader: OUT_OF_ORDER_SEQUENCE_NUMBER, "sequence desynchronization"). That
-# producer instance can never be used again, but a new one recovers everything: the restarted
-# worker's init_transactions fences and aborts the open transaction, and it restores its requests
-# from the changelog. So the worker exits with RESTART_EXIT_CODE for its supervisor (a
-# StatefulSet, systemd) to restart it, rather than with 1, which says "a person must look".
+# producer instance can never be used again, but nothing is wrong with the worker or its data:
+# a new producer with the same transactional id fences the old one and aborts its open
+# transaction, and the worker restores and re-consumes, as a restarted worker would.
 PRODUCER_STATE_ERRORS = frozenset(
     {
         KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
@@ -92,12 +94,31 @@ REBALANCE_COMMIT_ERRORS = frozenset(
 # - abortable_error: the broker refused to commit it (the coordinator timed it out during an
 #   outage, the group moved on); the batch is re-processed from restored state;
 # - partitions_lost: the group took the partitions away (session timeout) before it committed;
+# - producer_replaced: the producer became unusable (its sequence state lost, a call wedged); its
+#   replacement's init_transactions aborted the transaction (see ProducerLost);
 # - stopping_on_error: the worker is exiting after a fatal error and discards what is open.
-ABORT_CAUSES = ("abortable_error", "partitions_lost", "stopping_on_error")
+ABORT_CAUSES = ("abortable_error", "partitions_lost", "producer_replaced", "stopping_on_error")
+# Why a producer was replaced, the `cause` label of the worker's replacement counter.
+REPLACEMENT_CAUSES = ("producer_state_lost", "wedged_call")
 
 
 class FatalWorkerError(Exception):
     """The worker cannot go on (fenced, not authorised, a broker gone past every bound)."""
+
+
+class ProducerFailed(FatalWorkerError):
+    """`produce` refused a record because the producer itself is in a fatal state; what that
+    state is (lost sequence state, or fenced) only a transactional call reports."""
+
+
+class ProducerLost(Exception):
+    """This producer instance can never be used again, while a new one recovers everything:
+    `cause` is a label of REPLACEMENT_CAUSES, `detail` what happened, for the log."""
+
+    def __init__(self, cause: str, detail: str) -> None:
+        super().__init__(f"{cause}: {detail}")
+        self.cause = cause
+        self.detail = detail
 
 
 class Deadline:
@@ -189,7 +210,15 @@ class CommitStrategy(Protocol):
     restore_skips_ahead_of_commit: bool
 
     def producer_settings(self) -> dict[str, Any]: ...
-    def start(self, producer: Producer) -> None: ...
+    def start(self, producer: Producer, renew: Callable[[str], Producer]) -> None:
+        """Begin with `producer`; `renew(cause)` makes a producer in place of a lost one."""
+        ...
+
+    def producer_failed(self, failure: ProducerFailed) -> None:
+        """`produce` refused a record because the producer is in a fatal state: raise, or
+        return if the next commit finds out what that state is and recovers."""
+        ...
+
     def commit(
         self, consumer: Consumer, offsets: list[TopicPartition], decoded_tokens: int
     ) -> CommitOutcome | None:
@@ -207,15 +236,6 @@ class CommitStrategy(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def restart_recovers(error: BaseException) -> bool:
-    """Whether `error` (a client error, or the FatalWorkerError it caused) is one a restarted
-    worker recovers from by itself: a producer's lost sequence state (PRODUCER_STATE_ERRORS)."""
-    cause = error if isinstance(error, KafkaException) else error.__cause__
-    if not isinstance(cause, KafkaException):
-        return False
-    return cause.args[0].code() in PRODUCER_STATE_ERRORS
 
 
 def describe_error(error: KafkaError) -> str:
@@ -243,6 +263,9 @@ class ExactlyOnce:
     The transaction commits on a committer thread while the loop decodes into the next
     checkpoint: a commit is a few broker round trips during which the loop used to wait (10-17%
     of its time draining, up to a third under live load). The next commit settles it first.
+
+    A producer that becomes unusable (ProducerLost: its sequence state lost, a call wedged) is
+    replaced in process by `_replace`; the worker then rolls back as after any abort.
     """
 
     guarantee = "exactly-once"
@@ -257,9 +280,15 @@ class ExactlyOnce:
         self.deadline = deadline
         self.commit_timeout_s = commit_timeout_s
         self.producer: Producer | None = None
+        self._calls: _ProducerCalls | None = None
+        self._renew: Callable[[str], Producer] | None = None
+        # Replaced producers, kept referenced so that none is destroyed while the worker runs:
+        # destroying a librdkafka client waits for its threads to end, which a producer in an
+        # unknown state (a call of it still wedged) may never do.
+        self._abandoned: list[_ProducerCalls] = []
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detok-commit")
-        self._watchdog = _CallWatchdog()
         self._in_flight: Future[CommitOutcome] | None = None
+        self._lost: ProducerLost | None = None  # set by the committer thread, read by `settle`
 
     def producer_settings(self) -> dict[str, Any]:
         return {
@@ -267,14 +296,19 @@ class ExactlyOnce:
             "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
         }
 
-    def start(self, producer: Producer) -> None:
+    def start(self, producer: Producer, renew: Callable[[str], Producer]) -> None:
         """Fence any predecessor with our transactional id and open the first transaction."""
-        self.producer = producer
-        self._retry_until_done(
-            lambda timeout: producer.init_transactions(timeout),
-            "initialising transactions (is the broker reachable?)",
-        )
-        self._begin()
+        self._renew = renew
+        self._use(producer)
+        try:
+            self._initialise(self.commit_timeout_s)
+        except ProducerLost as lost:
+            self._replace(lost)
+
+    def producer_failed(self, failure: ProducerFailed) -> None:
+        """Nothing to do yet: the transaction can no longer commit, and the commit that follows
+        meets the producer's own error (replaced if a new producer recovers, fatal if not)."""
+        log.warning("%s; the commit names the producer's error", failure)
 
     def commit(
         self, consumer: Consumer, offsets: list[TopicPartition], decoded_tokens: int
@@ -284,12 +318,16 @@ class ExactlyOnce:
         return None
 
     def settle(self) -> CommitOutcome | None:
-        """Wait for the transaction on the committer thread; abort it if it must be."""
+        """Wait for the transaction on the committer thread; abort it, or replace the producer,
+        if it must be."""
         if self._in_flight is None:
             return None
         future, self._in_flight = self._in_flight, None
         outcome = future.result()  # a fatal error surfaces here, as it did when synchronous
-        if outcome.rollback:
+        lost, self._lost = self._lost, None
+        if lost is not None:
+            self._replace(lost)
+        elif outcome.rollback:
             self.abort()
         return outcome
 
@@ -298,11 +336,14 @@ class ExactlyOnce:
 
     def abort(self) -> bool:
         """Discard the open transaction's records and open the next one."""
-        assert self.producer is not None
-        self._retry_until_done(
-            lambda timeout: self.producer.abort_transaction(timeout), "aborting a transaction"
-        )
-        self._begin()
+        try:
+            self._retry_until_done(
+                lambda producer, timeout: producer.abort_transaction(timeout),
+                "aborting a transaction",
+            )
+            self._begin()
+        except ProducerLost as lost:
+            self._replace(lost)  # its init_transactions aborts the transaction
         return True
 
     def close(self) -> None:
@@ -315,61 +356,105 @@ class ExactlyOnce:
             self._in_flight = None
         self._committer.shutdown()
 
+    def _use(self, producer: Producer) -> None:
+        self.producer = producer
+        self._calls = _ProducerCalls(producer)
+
+    def _initialise(self, budget_s: float) -> None:
+        self._retry_until_done(
+            lambda producer, timeout: producer.init_transactions(timeout),
+            "initialising transactions (is the broker reachable?)",
+            budget_s,
+        )
+        self._begin()
+
+    def _replace(self, lost: ProducerLost) -> None:
+        """The one way out of a lost producer: abandon it (never called again, never closed: a
+        wedged one cannot be), make a new one with the same transactional id, and initialise
+        it, which fences the old instance's epoch and aborts its open transaction. The worker
+        then rolls back (restore, rewind), as a restarted worker would: nothing is lost or
+        duplicated. Bounded like a commit: a cluster that lets no new producer initialise for
+        `commit_timeout_s` is gone, and the worker stops (FatalWorkerError)."""
+        assert self._renew is not None and self._calls is not None
+        started = time.monotonic()
+        while True:
+            log.warning("replacing the producer (%s): %s", lost.cause, lost.detail)
+            self._abandoned.append(self._calls)
+            self._calls.abandon()
+            self._use(self._renew(lost.cause))
+            try:
+                self._initialise(self.commit_timeout_s - (time.monotonic() - started))
+                log.info("producer replaced (%s)", lost.cause)
+                return
+            except ProducerLost as again:
+                lost = again
+            if self.deadline.remaining(self.commit_timeout_s - (time.monotonic() - started)) <= 0:
+                raise FatalWorkerError(
+                    f"no new producer could be initialised "
+                    f"{self.deadline.describe(self.commit_timeout_s)}; last: {lost}"
+                )
+            time.sleep(self.deadline.remaining(RETRY_PAUSE_S))
+
     def _commit(
         self, offsets: list[TopicPartition], metadata: Any, decoded_tokens: int
     ) -> CommitOutcome:
         """On the committer thread: offsets into the open transaction, commit it, begin the
         next. Touches nothing but the producer; the loop does the rest (`settle`)."""
-        assert self.producer is not None
         started = time.perf_counter()
         pending = list(offsets)
 
-        def commit(timeout: float) -> None:
+        def commit(producer: Producer, timeout: float) -> None:
             if pending:
-                self.producer.send_offsets_to_transaction(pending, metadata, timeout)
+                producer.send_offsets_to_transaction(pending, metadata, timeout)
                 pending.clear()  # sent; a retry only repeats the commit
-            self.producer.commit_transaction(timeout)
+            producer.commit_transaction(timeout)
+
+        def rolled_back(cause: str) -> CommitOutcome:
+            seconds = time.perf_counter() - started
+            return CommitOutcome(
+                False, seconds, time.time(), decoded_tokens, rollback=True, abort_cause=cause
+            )
 
         try:
             self._retry_until_done(commit, "committing a transaction")
+            self._begin()
         except _MustAbort as abort:
             log.warning("transaction must abort (%s); rolling back", abort.error)
-            return CommitOutcome(
-                False,
-                time.perf_counter() - started,
-                time.time(),
-                decoded_tokens,
-                rollback=True,
-                abort_cause="abortable_error",
-            )
-        self._begin()
+            return rolled_back("abortable_error")
+        except ProducerLost as lost:
+            # Maybe after the commit went through: the rollback then restores what committed.
+            self._lost = lost
+            return rolled_back("producer_replaced")
         return CommitOutcome(True, time.perf_counter() - started, time.time(), decoded_tokens)
 
     def _begin(self) -> None:
-        """Open the next transaction (a local call without a timeout of its own: watched)."""
-        assert self.producer is not None
-        self._watchdog.calling("beginning a transaction")
-        try:
-            self.producer.begin_transaction()
-        finally:
-            self._watchdog.returned()
+        """Open the next transaction (a local call, but on the producer's thread like all)."""
+        self._retry_until_done(
+            lambda producer, timeout: producer.begin_transaction(), "beginning a transaction"
+        )
 
-    def _retry_until_done(self, call: Any, what: str) -> None:
-        """`call(timeout)` in short calls, retrying retriable errors (a timed-out call is one)
-        with a growing pause until the commit budget or the shutdown deadline ends."""
-        wait = _RetryWait(what, self.commit_timeout_s, self.deadline)
+    def _retry_until_done(
+        self, call: Callable[[Producer, float], None], what: str, budget_s: float | None = None
+    ) -> None:
+        """`call(producer, timeout)` in short calls, retrying retriable errors (a timed-out call
+        is one) with a growing pause until the budget (the commit's, unless given) or the
+        shutdown deadline ends. ProducerLost if the producer must be replaced."""
+        assert self._calls is not None
+        wait = _RetryWait(
+            what, self.commit_timeout_s if budget_s is None else budget_s, self.deadline
+        )
         while True:
             timeout = wait.next_call_timeout()
             try:
-                self._watchdog.calling(what)
-                try:
-                    call(timeout)
-                finally:
-                    self._watchdog.returned()
+                self._calls.run(call, timeout, what)
                 wait.done()
                 return
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
+                if error.fatal() and error.code() in PRODUCER_STATE_ERRORS:
+                    raise ProducerLost(
+                        "producer_state_lost", f"{what} failed: {describe_error(error)}"
+                    ) from exception
                 if error.fatal():
                     raise FatalWorkerError(f"{what} failed: {describe_error(error)}") from exception
                 if error.txn_requires_abort():
@@ -379,41 +464,48 @@ class ExactlyOnce:
                 wait.retry_after(error)
 
 
-class _CallWatchdog:
-    """Ends the process when one client call runs past BLOCKED_CALL_LIMIT_S (see there).
+class _ProducerCalls:
+    """One producer, and the daemon thread that makes its transactional calls.
 
-    A daemon thread that only reads a timestamp: the call itself cannot be interrupted from
-    Python, and a worker wedged in it would otherwise hold its partitions without progress until
-    the liveness probe (workers/health.py) restarts it minutes later.
+    librdkafka's calls cannot be interrupted from Python, and one was seen never to return (see
+    WEDGED_CALL_SLACK_S). Made here, a call is waited for with a bound instead, and a wedged one
+    is left on this thread while the worker goes on with a new producer. A daemon thread: one
+    still wedged when the worker exits must not hold the process.
     """
 
-    def __init__(self) -> None:
-        self._started: float | None = None
-        self._what = ""
-        threading.Thread(target=self._watch, daemon=True, name="detok-call-watchdog").start()
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self._jobs: SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="detok-producer-calls").start()
 
-    def calling(self, what: str) -> None:
-        self._what, self._started = what, time.monotonic()
+    def run(self, call: Callable[[Producer, float], None], timeout: float, what: str) -> None:
+        """`call(producer, timeout)`, its error raised here; ProducerLost if it is wedged."""
+        producer = self.producer
+        done: Future[None] = Future()
+        self._jobs.put((lambda: call(producer, timeout), done))
+        bound = timeout + WEDGED_CALL_SLACK_S
+        try:
+            done.result(bound)
+        except TimeoutError:
+            raise ProducerLost(
+                "wedged_call",
+                f"{what}: the Kafka client call has not returned {bound:.0f} s after it "
+                f"started although its timeout is {timeout:.1f} s",
+            ) from None
 
-    def returned(self) -> None:
-        self._started = None
+    def abandon(self) -> None:
+        """Never called again; its thread ends once it is free (at once unless wedged)."""
+        self._jobs.put(None)
 
-    def _watch(self) -> None:
-        while True:
-            time.sleep(1.0)
-            started = self._started
-            if started is not None and time.monotonic() - started > BLOCKED_CALL_LIMIT_S:
-                log.critical(
-                    "%s: the Kafka client call has not returned for %.0f s although its timeout "
-                    "is %.0f s; exiting (code %d) so that a restart fences and aborts the open "
-                    "transaction",
-                    self._what,
-                    time.monotonic() - started,
-                    CALL_TIMEOUT_S,
-                    RESTART_EXIT_CODE,
-                )
-                logging.shutdown()
-                os._exit(RESTART_EXIT_CODE)
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            call, done = job
+            try:
+                call()
+            except BaseException as error:  # raised in the waiting thread by `run`
+                done.set_exception(error)
+            else:
+                done.set_result(None)
 
 
 class _RetryWait:
@@ -494,8 +586,13 @@ class AtLeastOnce:
     def producer_settings(self) -> dict[str, Any]:
         return {"on_delivery": self._on_delivery}
 
-    def start(self, producer: Producer) -> None:
+    def start(self, producer: Producer, renew: Callable[[str], Producer]) -> None:
         self.producer = producer
+
+    def producer_failed(self, failure: ProducerFailed) -> None:
+        """Fatal: the outputs since the last commit were not all produced, and at-least-once
+        commits offsets after outputs; a restart re-consumes from the last commit."""
+        raise failure
 
     def commit(
         self, consumer: Consumer, offsets: list[TopicPartition], decoded_tokens: int

@@ -17,7 +17,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from pipeline.dead_letter_reasons import REASONS
 from pipeline.processor import DeadLetter
 from schemas.events import DeadLetterReason
-from workers.checkpointing import FatalWorkerError, Output, describe_error
+from workers.checkpointing import FatalWorkerError, Output, ProducerFailed, describe_error
 from workers.dead_letters import dead_letter_headers, dead_letter_key
 from workers.kafka_clients import produce
 from workers.output_limits import OutputLimits
@@ -91,6 +91,8 @@ class OutputWriter:
                 return
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
+                if error.code() == KafkaError._FATAL:
+                    raise ProducerFailed(f"producing to {output.topic}: {error.str()}") from None
                 if error.code() not in SIZE_ERRORS:
                     failure = describe_error(error)
                     raise FatalWorkerError(f"producing to {output.topic}: {failure}") from None

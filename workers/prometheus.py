@@ -23,7 +23,7 @@ from prometheus_client import (
 
 from pipeline.processor import BatchResult
 from schemas.events import DeadLetterReason
-from workers.checkpointing import ABORT_CAUSES
+from workers.checkpointing import ABORT_CAUSES, REPLACEMENT_CAUSES
 from workers.health import Health
 from workers.health import serve as serve_endpoints
 
@@ -100,6 +100,12 @@ class PrometheusMetrics:
             ["cause"],
             registry=r,
         )
+        self.producer_replacements = Counter(
+            "detok_producer_replacements",
+            "Producers replaced in process, by cause (the worker then rolls back and restores)",
+            ["cause"],
+            registry=r,
+        )
         # A stall is work waiting while nothing commits: a broker outage, a coordinator that
         # moved, a worker wedged. Read on scrape, so it grows while the loop is blocked too.
         # Nothing to commit counts as committed, so an idle worker does not look stalled.
@@ -172,6 +178,8 @@ class PrometheusMetrics:
             self.transactions.labels(outcome=outcome)
         for cause in ABORT_CAUSES:
             self.transaction_aborts.labels(cause=cause)
+        for cause in REPLACEMENT_CAUSES:
+            self.producer_replacements.labels(cause=cause)
         for event in REBALANCE_EVENTS:
             self.rebalances.labels(event=event)
         for model in models:

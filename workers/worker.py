@@ -15,10 +15,13 @@ changelog (workers/changelog.py) rebuilds it on assignment.
 
 Failure model: a crash loses what was not committed; the next owner restores the committed
 snapshots and re-consumes from the committed offsets. An abortable error does the same inside
-the process (abort, restore, rewind). A broker-level fatal error (fenced, not authorised, a
-broker gone past every bound) stops the worker with a non-zero exit and a message naming the
-cause, for the orchestrator to restart it. Every wait is bounded and ends on SIGTERM; once
-stopping, the worker is gone within `shutdown_timeout_s`.
+the process (abort, restore, rewind), and so does a producer that became unusable (its
+sequence state lost, a call wedged in the client): the commit strategy replaces it with a new
+one under the same transactional id, which fences the old one and aborts its transaction. A
+broker-level fatal error (fenced, not authorised, a broker gone past every bound) stops the
+worker with a non-zero exit and a message naming the cause, for the orchestrator to restart it.
+Every wait is bounded and ends on SIGTERM; once stopping, the worker is gone within
+`shutdown_timeout_s`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Message,
+    Producer,
     TopicPartition,
 )
 
@@ -42,14 +46,13 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, dump_json
 from workers.changelog import RestoreInterrupted, apply_latest, changelog_record, read_latest
 from workers.checkpointing import (
-    RESTART_EXIT_CODE,
     Checkpoint,
     CommitOutcome,
     Deadline,
     FatalWorkerError,
     Output,
+    ProducerFailed,
     describe_error,
-    restart_recovers,
     strategy_for,
 )
 from workers.config import WorkerSettings
@@ -231,7 +234,7 @@ class Worker:
     def run(self) -> int:
         """Process until stopped by a signal, by `exit_when_idle_s`, or by a fatal error."""
         try:
-            self.strategy.start(self.producer)
+            self.strategy.start(self.producer, self._new_producer)
             self.timeline.mark("producer ready")
             self.consumer.subscribe(
                 [self.topics.input],
@@ -247,9 +250,6 @@ class Worker:
             self._stopping()  # leaving after a failure is bounded like leaving on SIGTERM
             log.error("stopping without commit: %s%s", _message(error), self._missing_topics())
             self._close(abort=True)
-            if restart_recovers(error):
-                log.error("exiting with %d: a restart recovers from this", RESTART_EXIT_CODE)
-                return RESTART_EXIT_CODE
             return 1
         self._close(abort=False)
         log.info(
@@ -257,6 +257,15 @@ class Worker:
             self.stats.summary(self.processor.active_requests, self.timeline.summary()),
         )
         return 0
+
+    def _new_producer(self, cause: str) -> Producer:
+        """A producer in place of one the commit strategy abandoned (`cause`: a label of
+        REPLACEMENT_CAUSES in workers/checkpointing.py), with the same settings and so the same
+        transactional id; everything that produces uses it from now on."""
+        self.metrics.producer_replacements.labels(cause=cause).inc()
+        self.producer = make_producer(self.connection, self._producer_settings())
+        self.writer.producer = self.producer
+        return self.producer
 
     def _stopping(self) -> None:
         self.deadline.set_in(self.settings.shutdown_timeout_s)
@@ -480,6 +489,23 @@ class Worker:
             if not self.strategy.committing():
                 self.metrics.observe_caught_up()
             return
+        try:
+            self._produce(checkpoint)
+        except ProducerFailed as failure:
+            self.strategy.producer_failed(failure)
+        offsets = [
+            TopicPartition(self.topics.input, partition, offset)
+            for partition, offset in sorted(checkpoint.offsets.items())
+        ]
+        self.checkpoint = Checkpoint.fresh()
+        self._committing = list(checkpoint.offsets)
+        outcome = self.strategy.commit(self.consumer, offsets, checkpoint.decoded_tokens)
+        self.stats.commit_s += time.perf_counter() - started
+        if outcome is None and wait:
+            outcome = self.strategy.settle()
+        self._take(outcome)
+
+    def _produce(self, checkpoint: Checkpoint) -> None:
         for output in checkpoint.outputs:
             self.writer.write(output)
         for request_id, delta in checkpoint.deltas.items():
@@ -493,17 +519,6 @@ class Worker:
             )
         self.metrics.deltas_produced.inc(len(checkpoint.deltas))
         self._write_changelog(checkpoint)
-        offsets = [
-            TopicPartition(self.topics.input, partition, offset)
-            for partition, offset in sorted(checkpoint.offsets.items())
-        ]
-        self.checkpoint = Checkpoint.fresh()
-        self._committing = list(checkpoint.offsets)
-        outcome = self.strategy.commit(self.consumer, offsets, checkpoint.decoded_tokens)
-        self.stats.commit_s += time.perf_counter() - started
-        if outcome is None and wait:
-            outcome = self.strategy.settle()
-        self._take(outcome)
 
     def _take(self, outcome: CommitOutcome | None) -> None:
         """Account for a finished commit; roll back or re-offer what did not take."""
