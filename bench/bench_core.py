@@ -20,8 +20,10 @@ rotation, as (b0) and (c0): before/after figures from one run, paired per repeat
 over the same requests as events, in continuous rounds of `--active` requests (docs/decode-
 options.md): (p) no options, (ps) four stop strings per request (ones the workload never
 completes, so every request runs its full length and the row measures matching and hold-back),
-(pl) top-5 logprobs on every token; with `--compare-with`, (p0) is (p) on the other tree.
-Ratios to (p) are paired per repeat; (ps) must give (p)'s completions exactly.
+(pl) top-5 logprobs on every token; with `--compare-with`, (p0) and (pl0) are (p) and (pl) on
+the other tree. Every processor row encodes its deltas and completions as the worker writes
+them (an option's cost includes its output records). Ratios to (p) are paired per repeat; (ps)
+must give (p)'s completions exactly.
 
     python -m bench.bench_core [--shared-dir ../shared] [--tokenizers gpt2,llama-spm] [--json]
                                [--compare-with /tmp/base] [--decode-options]
@@ -52,6 +54,7 @@ from pipeline.decode_stream import DecodeStream
 from pipeline.processor import RequestProcessor
 from pipeline.results import EventOrigin
 from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import dump_json
 from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
 
 CHUNK = 16
@@ -218,7 +221,13 @@ def method_processor(
     texts: dict[str, str] = {}
     stopped = 0
     for batch in rounds:
-        for completion in processor.process(batch).completions:
+        result = processor.process(batch)
+        # Encoded as the worker writes them: an option's cost includes its output records.
+        for delta in result.deltas:
+            delta.to_wire_json()
+        for completion in result.completions:
+            dump_json(completion)
+        for completion in result.completions:
             if completion.status != "ok":
                 raise SystemExit(f"bench request failed: {completion.error}")
             texts[completion.request_id] = completion.text
@@ -332,6 +341,7 @@ def bench_tokenizer(
         methods["pl"] = lambda: method_processor(registry, logprobs, count)
         if base is not None:
             methods["p0"] = lambda: method_processor(registry, plain, count, base_processor)
+            methods["pl0"] = lambda: method_processor(registry, logprobs, count, base_processor)
     times: dict[str, list[float]] = {k: [] for k in methods}
     outputs: dict[str, list[str]] = {}
     order = list(methods)
@@ -345,7 +355,7 @@ def bench_tokenizer(
     versus_base = {}
     if base is not None:
         versus_base = {k: paired_ratio(times[f"{k}0"], times[k]) for k in ("b", "c")}
-        pairs = [k for k in ("b", "c", "p") if k in times]
+        pairs = [k for k in ("b", "c", "p", "pl") if k in times]
         versus_base = {k: paired_ratio(times[f"{k}0"], times[k]) for k in pairs}
         versus_base["mismatches"] = sum(
             x != y for k in pairs for x, y in zip(outputs[k], outputs[f"{k}0"], strict=True)
@@ -353,6 +363,8 @@ def bench_tokenizer(
     options = {}
     if decode_options:
         options = {k: paired_ratio(times["p"], times[k]) for k in ("ps", "pl")}
+        if base is not None:  # the same ratio on the other tree, paired in this run
+            options["pl0"] = paired_ratio(times["p0"], times["pl0"])
         options["mismatches_ps_vs_p"] = sum(
             x != y for x, y in zip(outputs["p"], outputs["ps"], strict=True)
         )
@@ -389,6 +401,7 @@ LABELS = {
     "p0": "(p0) as (p), --compare-with tree",
     "ps": "(ps) RequestProcessor, 4 stop strings",
     "pl": "(pl) RequestProcessor, top-5 logprobs",
+    "pl0": "(pl0) as (pl), --compare-with tree",
 }
 
 
@@ -458,10 +471,11 @@ def main() -> None:
             )
         if res["decode_options"]:
             opts = res["decode_options"]
+            other = f" (other tree: (pl0)/(p0) {opts['pl0']:.3f})" if "pl0" in opts else ""
             print(
                 f"decode options vs (p) (median per-repeat time ratio): stop strings (ps) "
-                f"{opts['ps']:.3f} (aim >= {TARGET_STOP_TO_P}), logprobs (pl) {opts['pl']:.3f}; "
-                f"completions (ps) vs (p): {opts['mismatches_ps_vs_p']} mismatches, "
+                f"{opts['ps']:.3f} (aim >= {TARGET_STOP_TO_P}), logprobs (pl) {opts['pl']:.3f}"
+                f"{other}; completions (ps) vs (p): {opts['mismatches_ps_vs_p']} mismatches, "
                 f"(p) vs (b): {opts['mismatches_p_vs_b']}"
             )
 

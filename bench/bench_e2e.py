@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
@@ -715,6 +715,43 @@ def vm_status(pid: int) -> dict[str, int]:
     return fields
 
 
+def measure_open_requests(
+    kafka: Kafka,
+    topic: str,
+    group: str,
+    pid: int,
+    batches: Iterable[Iterable[tuple[str, bytes]]],
+    *,
+    linger_ms: int,
+    settle_s: float,
+) -> list[dict[str, int]]:
+    """Produce each batch of (key, value) records to `topic`, wait until `group` has committed
+    all of it, and read the worker `pid`'s memory: one `vm_status` per batch.
+
+    The commit says the worker has taken every record into its open requests; `settle_s` then
+    lets its allocator and the changelog producer's buffers come to rest before the reading."""
+    readings = []
+    for batch in batches:
+        producer = make_producer(kafka.connection, {"linger.ms": linger_ms})
+        for key, value in batch:
+            while True:
+                try:
+                    producer.produce(topic, value, key)
+                    break
+                except BufferError:  # the local queue is full: let deliveries drain it
+                    producer.poll(0.05)
+            producer.poll(0)
+        producer.flush(120)
+        ends = end_offsets(kafka.connection, topic)
+        wait_for(
+            lambda e=ends: committed_offsets(kafka.connection, group, topic, list(e)) == e,
+            "the memory worker's commit",
+        )
+        time.sleep(settle_s)
+        readings.append(vm_status(pid))
+    return readings
+
+
 def memory_and_restore(kafka: Kafka, workload: Workload, active: int, logs: Path) -> dict[str, Any]:
     """Fill a worker with `active` unfinished requests in two halves, measure RSS at each, then
     kill -9 it and time its successor's restore."""
@@ -728,28 +765,26 @@ def memory_and_restore(kafka: Kafka, workload: Workload, active: int, logs: Path
     log = logs / f"{prefix}-a.log"
     command = worker_command(kafka, names, group, workload.specs, "--instance-id", prefix)
     worker = start(command, log)
-    rss = []
+
+    def opened(half_index: int, half: list[dict[str, Any]]) -> Iterator[tuple[str, bytes]]:
+        for position, record in enumerate(half):
+            generation = LoggedGeneration.model_validate(
+                {**record, "request_id": f"{record['request_id']}-m{half_index}-{position}"}
+            )
+            for event in generation_events(generation, CHUNK)[:3]:
+                yield generation.request_id, encode_event(event)
+
     try:
         wait_for(lambda: "restored" in log.read_text(), "the memory worker's assignment")
-        for half_index, half in enumerate(halves):
-            producer = make_producer(kafka.connection, {"linger.ms": 20})
-            for position, record in enumerate(half):
-                generation = LoggedGeneration.model_validate(
-                    {**record, "request_id": f"{record['request_id']}-m{half_index}-{position}"}
-                )
-                for event in generation_events(generation, CHUNK)[:3]:
-                    producer.produce(names.input, encode_event(event), generation.request_id)
-                producer.poll(0)
-            producer.flush(60)
-            ends = end_offsets(kafka.connection, names.input)
-            wait_for(
-                lambda e=ends: (
-                    committed_offsets(kafka.connection, group, names.input, list(e)) == e
-                ),
-                "the memory worker's commit",
-            )
-            time.sleep(0.5)
-            rss.append(vm_status(worker.pid))
+        rss = measure_open_requests(
+            kafka,
+            names.input,
+            group,
+            worker.pid,
+            (opened(index, half) for index, half in enumerate(halves)),
+            linger_ms=20,
+            settle_s=0.5,
+        )
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait(60)

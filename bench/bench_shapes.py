@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ from bench.bench_e2e import (
     drop_topics,
     end_offsets,
     kafka_from,
+    measure_open_requests,
     start,
     summaries,
     topics,
@@ -75,7 +77,7 @@ from bench.bench_e2e import (
 )
 from pipeline.request_state import split_changelog_key
 from workers.commands.options import add_connection_options
-from workers.kafka_clients import KafkaConnection, make_consumer, make_producer
+from workers.kafka_clients import KafkaConnection, make_consumer
 from workers.kafka_config import KafkaConfigError
 from workers.replay import replay
 from workers.topics import ensure_topics
@@ -308,38 +310,30 @@ def backlog(
     log = logs / f"{prefix}-a.log"
     worker = start(command, log)
     prompts = base.records[:500]
-    rss = []
+
+    def prompts_of(half: int) -> Iterator[tuple[str, bytes]]:
+        for position in range(count // 2):
+            record = prompts[position % len(prompts)]
+            request_id = f"open-{half}-{position}"
+            value = json.dumps(
+                {"type": "prompt", "request_id": request_id, "model": record["model"],
+                 "prompt_token_ids": record["prompt_token_ids"][:48]},
+                separators=(",", ":"),
+            ).encode()  # fmt: skip
+            yield request_id, value
+
     try:
         wait_for(lambda: "restored" in log.read_text(), "the backlog worker's assignment")
         empty = vm_status(worker.pid)
-        for half in range(2):
-            producer = make_producer(kafka.connection, {"linger.ms": 50})
-            for position in range(count // 2):
-                record = prompts[position % len(prompts)]
-                request_id = f"open-{half}-{position}"
-                value = json.dumps(
-                    {"type": "prompt", "request_id": request_id, "model": record["model"],
-                     "prompt_token_ids": record["prompt_token_ids"][:48]},
-                    separators=(",", ":"),
-                ).encode()  # fmt: skip
-                while True:
-                    try:
-                        producer.produce(names.input, value, request_id.encode())
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
-                if position % 10_000 == 0:
-                    producer.poll(0)
-            producer.flush(120)
-            ends = end_offsets(kafka.connection, names.input)
-            wait_for(
-                lambda e=ends: (
-                    committed_offsets(kafka.connection, group, names.input, list(e)) == e
-                ),
-                "the backlog worker's commit",
-            )
-            time.sleep(1.0)
-            rss.append(vm_status(worker.pid))
+        rss = measure_open_requests(
+            kafka,
+            names.input,
+            group,
+            worker.pid,
+            (prompts_of(0), prompts_of(1)),
+            linger_ms=50,
+            settle_s=1.0,
+        )
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait(60)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pipeline.logprobs import LogprobEntry
 from schemas.events import (
     Completion,
     DeadLetterReason,
     FilteredIdsRecord,
-    TokenLogprob,
     encode_json,
 )
 
@@ -106,9 +106,9 @@ class Delta:
     text_offset: int
     text: str
     final: bool = False
-    # The `Logprobs.content` entries of the tokens whose text this delta completes
+    # The `Logprobs.content` entries (their JSON) of the tokens whose text this delta completes
     # (`pipeline.logprobs`); None when the input carried no logprobs.
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[LogprobEntry] | None = None
 
     def absorb(self, later: Delta) -> None:
         self.seq_end = later.seq_end

@@ -117,9 +117,10 @@ class TokenizerProfile:
     # The stream class of each skip flag, specialized on first use by `pipeline.decode_stream`
     # (its class attributes are this tokenizer's tables, shared by every stream of it).
     strategies: dict[bool, Any] = field(default_factory=dict)
-    # id -> (the id decoded alone, the bytes of its piece), filled as logprob output meets ids
-    # (`pipeline.logprobs.token_info`): a full walk would cost every tokenizer 150k decodes.
-    token_info: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    # id -> the JSON start of its logprob entries (the id decoded alone, the bytes of its
+    # piece), filled as logprob output meets ids (`pipeline.logprobs.token_prefix`): a full
+    # walk would cost every tokenizer 150k decodes.
+    token_info: dict[int, bytes] = field(default_factory=dict)
 
 
 # Keyed by id(tokenizer); read directly by `DecodeStream` construction (a hit costs no call).

@@ -15,7 +15,15 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    field_serializer,
+    model_validator,
+)
 
 # Token ids are u32 on every inference server and in `tokenizers`; anything else is rejected at
 # the edge so that no OverflowError/TypeError can ever come out of the tokenizer.
@@ -144,7 +152,27 @@ class TokenLogprob(_Wire):
 class Logprobs(_Wire):
     """Per sampled token, in order (OpenAI's `choices[].logprobs.content` shape)."""
 
+    # Read from the wire, `content` holds validated `TokenLogprob`s. Built by the pipeline, it
+    # holds each entry's wire JSON instead (`msgspec.Raw`, see `pipeline.logprobs`): six models
+    # a token (an entry and its alternatives) cost many times the token's decode, and the worker
+    # only ever writes them out. `entries()` gives the models either way, and pydantic's dumps
+    # write the same JSON for both. (A comment, not the docstring: that is the JSON Schema's.)
     content: list[TokenLogprob]
+
+    def entries(self) -> list[TokenLogprob]:
+        """The entries as models (validated from their JSON when the pipeline built them)."""
+        if not self.content or not isinstance(self.content[0], msgspec.Raw):
+            return self.content
+        return _ENTRIES.validate_json(b"[" + b",".join(self.content) + b"]")  # type: ignore[arg-type]
+
+    @field_serializer("content", mode="wrap")
+    def _content(self, content: list, handler: SerializerFunctionWrapHandler) -> object:
+        if content and isinstance(content[0], msgspec.Raw):
+            return msgspec.json.decode(b"[" + b",".join(content) + b"]")
+        return handler(content)
+
+
+_ENTRIES: TypeAdapter[list[TokenLogprob]] = TypeAdapter(list[TokenLogprob])
 
 
 class TextDelta(_Wire):

@@ -208,7 +208,7 @@ def check_case(name: str, case: dict[str, Any]) -> None:
     if not case["logprobs"] or not generated:  # no tokens event: nothing says it had logprobs
         assert completion.logprobs is None
         return
-    content = completion.logprobs.content
+    content = completion.logprobs.entries()
     assert [e.id for e in content] == generated[: completion.generated_tokens]
     assert "".join(e.text for e in content) == completion.text
     assert all(
@@ -217,7 +217,7 @@ def check_case(name: str, case: dict[str, Any]) -> None:
     assert [e.logprob for e in content] == [-0.5 - i for i in range(len(content))]
     assert [[a.id for a in e.top_logprobs] for e in content] == [[e.id, 0] for e in content]
     carried = [entry for d in deltas for entry in d.logprobs or []]
-    assert carried == content
+    assert carried == completion.logprobs.content  # the same entries, built once
     if found is None:
         raw = b"".join(bytes(e.bytes) for e in content)
         assert raw == full.encode()

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from confluent_kafka import Consumer, Message
@@ -28,6 +29,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.conftest import REPO_ROOT, missing_resource
 from workers import broker
+
+if TYPE_CHECKING:
+    from tests.integration.worker_harness import PipelineRun
 
 # Every wait in these tests polls until the awaited event happens; this bound only turns a hang
 # into a failure. A healthy single-node broker delivers within a second or two, and a consumer
@@ -142,6 +146,25 @@ def create_topic(kafka_bootstrap: str) -> Callable[..., str]:
         return name
 
     return create
+
+
+@pytest.fixture
+def pipeline_run(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Callable[..., PipelineRun]]:
+    """`pipeline_run(generations, partitions=4)`: the setup every worker test shares (the
+    generations file, `detok run`'s answer, topics, a group); workers started through the run
+    are killed by pid at teardown if the test left them running."""
+    # Imported here: the harness imports this module's WAIT_BOUND_S and unique_name.
+    from tests.integration.worker_harness import new_pipeline_run
+
+    runs: list[PipelineRun] = []
+
+    def make(generations: list[dict], partitions: int = 4) -> PipelineRun:
+        runs.append(new_pipeline_run(kafka_bootstrap, tmp_path, generations, partitions))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.stop_leftovers()
 
 
 def consumer_config(bootstrap_servers: str, group_id: str, **overrides: str | int) -> dict:

@@ -28,6 +28,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.worker_harness import models, read_messages
+from workers.cli import main as cli_main
 from workers.topics import TopicNames
 
 # A worker given `--exit-when-idle` stops a few seconds after its input is drained; on a loaded
@@ -320,8 +321,9 @@ def generation_records(generations: Iterable[dict], chunk_size: int = 8) -> list
 def expected_completions(generations: list[dict], work_dir: Path) -> dict[str, dict]:
     """`detok run`'s completions for these generations: what the worker must publish.
 
-    The offline command is the oracle, run as a user runs it, so these tests depend on no
-    internal decoding API.
+    The offline command is the oracle, run through its command line as a user runs it, so these
+    tests depend on no internal decoding API. It runs in this process: a subprocess would add
+    seconds of interpreter start-up and imports to every test, and the CLI is the same.
     """
     stem = work_dir / f"expected-{time.time_ns()}"
     source, output = stem.with_suffix(".jsonl"), stem.with_suffix(".completions.jsonl")
@@ -331,23 +333,11 @@ def expected_completions(generations: list[dict], work_dir: Path) -> dict[str, d
         tokenizer_args += ["--tokenizer", spec]
     for spec in models().vocab_specs:
         tokenizer_args += ["--model-vocab-size", spec]
-    result = subprocess.run(
-        detok_command(
-            "run",
-            *tokenizer_args,
-            "--input",
-            str(source),
-            "--output",
-            str(output),
-            "--dead-letter",
-            str(stem.with_suffix(".dead.jsonl")),
-        ),  # fmt: skip
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_BOUND_S * 2,
-    )
-    assert result.returncode == 0, f"detok run failed: {result.stderr}"
+    code = cli_main(
+        ["run", *tokenizer_args, "--input", str(source), "--output", str(output),
+         "--dead-letter", str(stem.with_suffix(".dead.jsonl"))]
+    )  # fmt: skip
+    assert code == 0, "detok run failed (its error is in the captured stderr)"
     expected = {}
     for line in output.read_text(encoding="utf-8").splitlines():
         completion = json.loads(line)

@@ -7,27 +7,16 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
-from tests.conftest import real_tokenizer_path
-from tests.integration.conftest import unique_name
 from tests.integration.worker_harness import (
-    assert_deltas_cover_exactly_once,
-    completions_on,
+    NewPipelineRun,
     make_generations,
-    models,
-    offline_completions,
-    paced_replay,
-    pipeline_topics,
     read_topic,
-    start_worker,
     wait_exit,
-    write_jsonl,
+    worker_tokenizers,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -40,10 +29,7 @@ def with_decode_options(generations: list[dict], seed: int) -> list[dict]:
     """Half the requests get stop strings taken from their own text (so most stop mid-stream
     and the server's later events arrive after the stop), a third get logprobs."""
     rng = random.Random(seed)
-    tokenizers = {
-        "gpt2": Tokenizer.from_file(str(real_tokenizer_path("gpt2"))),
-        "qwen2": Tokenizer.from_file(str(real_tokenizer_path("qwen2-from-tiktoken"))),
-    }
+    tokenizers = worker_tokenizers()
     for index, generation in enumerate(generations):
         tok = tokenizers[generation["model"]]
         output = generation["output_token_ids"]
@@ -62,35 +48,30 @@ def with_decode_options(generations: list[dict], seed: int) -> list[dict]:
 
 
 def test_stop_strings_and_logprobs_survive_kill_9_with_two_workers(
-    kafka_bootstrap: str, tmp_path: Path
+    pipeline_run: NewPipelineRun,
 ) -> None:
     generations = with_decode_options(make_generations(160, seed=31), seed=31)
-    source = write_jsonl(tmp_path / "generations.jsonl", generations)
-    expected = offline_completions(source, models().registry())
+    run = pipeline_run(generations)
+    kafka_bootstrap, names, expected = run.bootstrap, run.names, run.expected
     stopped = {r for r, c in expected.items() if c["stop_reason"] is not None}
     assert len(stopped) > 30, "the workload must stop requests mid-stream"
     assert sum(c["logprobs"] is not None for c in expected.values()) > 30
-    names = pipeline_topics(kafka_bootstrap)
-    group = unique_name("g")
-    producer = paced_replay(kafka_bootstrap, source, names.input, rate=60.0)
-    steady = start_worker(
-        kafka_bootstrap, names, group, instance_id="steady", extra=IDLE_EXIT, log_dir=tmp_path
-    )
-    crashy = start_worker(kafka_bootstrap, names, group, instance_id="crashy", log_dir=tmp_path)
-    time.sleep(8)  # both joined, restored and committed part of the stream
+    producer = run.paced_replay(rate=60.0)
+    steady = run.start_worker("steady", extra=IDLE_EXIT)
+    crashy = run.start_worker("crashy")
+    run.wait_for_log(steady, "restored")
+    run.wait_for_first_commit(crashy, producer)  # both joined; it committed part of the stream
     crashy.kill()  # SIGKILL: its open transaction is aborted, its partitions move on
     crashy.wait()
-    crashy = start_worker(
-        kafka_bootstrap, names, group, instance_id="crashy", extra=IDLE_EXIT, log_dir=tmp_path
-    )
+    crashy = run.start_worker("crashy", extra=IDLE_EXIT)
     producer.join()
     assert wait_exit(crashy) == 0
     assert wait_exit(steady) == 0
 
-    assert completions_on(kafka_bootstrap, names) == expected
+    assert run.completions() == expected
     produced = Counter(key.decode() for key, _, _ in read_topic(kafka_bootstrap, names.completions))
     assert set(produced.values()) == {1}, "a later finish must not produce a second completion"
-    assert_deltas_cover_exactly_once(kafka_bootstrap, names, expected)
+    run.assert_exactly_once()
     assert list(read_topic(kafka_bootstrap, names.dead_letters)) == []
     last_delta_seq: dict[str, int] = {}
     for _, value, _ in read_topic(kafka_bootstrap, names.deltas):

@@ -5,20 +5,14 @@ Budget: one worker run over 120 requests and three in-process collects (~15 s on
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import openai.types
 import pytest
 
-from tests.integration.conftest import unique_name
 from tests.integration.worker_harness import (
+    NewPipelineRun,
     make_generations,
-    models,
-    offline_completions,
-    pipeline_topics,
-    start_worker,
     wait_exit,
-    write_jsonl,
 )
 from workers.cli import main
 from workers.formats.parquet import read_completions, write_generations
@@ -34,21 +28,19 @@ def detok(*arguments: str, bootstrap: str) -> int:
 
 
 def test_parquet_replayed_and_collected_in_every_format_equals_detok_run(
-    kafka_bootstrap: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    pipeline_run: NewPipelineRun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rows = make_generations(REQUESTS)
-    jsonl = write_jsonl(tmp_path / "generations.jsonl", rows)
+    run = pipeline_run(rows)
+    names, expected, tmp_path = run.names, run.expected, run.log_dir
     parquet = tmp_path / "generations.parquet"
     write_generations(parquet, iter(rows), rows=50)
-    expected = offline_completions(jsonl, models().registry())
     assert len(expected) == REQUESTS
 
-    names = pipeline_topics(kafka_bootstrap)
     assert detok("replay", "--input", str(parquet), "--topic", names.input,
-                 bootstrap=kafka_bootstrap) == 0  # fmt: skip
+                 bootstrap=run.bootstrap) == 0  # fmt: skip
     assert f"replayed {REQUESTS} requests" in capsys.readouterr().out
-    worker = start_worker(kafka_bootstrap, names, unique_name("g"), instance_id="formats",
-                          extra=["--exit-when-idle", "3"], log_dir=tmp_path)  # fmt: skip
+    worker = run.start_worker("formats", extra=["--exit-when-idle", "3"])
     assert wait_exit(worker) == 0
 
     outputs = {
@@ -59,7 +51,7 @@ def test_parquet_replayed_and_collected_in_every_format_equals_detok_run(
     for fmt, path in outputs.items():
         assert detok("collect", "--topic", names.completions, "--output", str(path),
                      "--output-format", fmt, "--expect", str(REQUESTS),
-                     bootstrap=kafka_bootstrap) == 0  # fmt: skip
+                     bootstrap=run.bootstrap) == 0  # fmt: skip
 
     from_jsonl = [json.loads(line) for line in outputs["jsonl"].read_text().splitlines()]
     assert {c["request_id"]: c for c in from_jsonl} == expected

@@ -8,6 +8,7 @@ decodes them, and the bad record sits in the dead-letter topic with its original
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,45 @@ UNPARSEABLE_REASONS = {b"unexpected_error", b"malformed_json", b"schema_violatio
 def _good(count: int, seed: int, tmp_path: Path) -> tuple[list[dict], dict[str, dict]]:
     generations = make_generations(count, seed=seed)
     return generations, expected_completions(generations, tmp_path)
+
+
+def _good_and(
+    count: int, seed: int, tmp_path: Path, special: dict
+) -> tuple[list[dict], dict[str, dict], dict]:
+    """`_good`, plus `special`'s expected completion, from the same `detok run`."""
+    generations = make_generations(count, seed=seed)
+    expected = expected_completions([*generations, special], tmp_path)
+    return generations, expected, expected.pop(special["request_id"])
+
+
+def _in_two_runs(
+    pipeline: Pipeline, first: list[Record], second: list[Record], states: tuple[str, str]
+) -> None:
+    """Plant `first`, run a worker until idle; plant `second`, run another: both exit 0.
+    `states` names what each run leaves (the first run's end is a commit over it)."""
+    for attempt, (records, state) in enumerate(zip((first, second), states, strict=True), 1):
+        produce(pipeline.bootstrap, pipeline.names.input, records)
+        worker = run_worker_until_idle(pipeline, instance_id=f"run{attempt}")
+        assert worker.process.returncode == 0, f"run {attempt} ({state}):\n{worker.tail()}"
+
+
+def _completed_or_failed_alone(
+    pipeline: Pipeline,
+    expected: dict[str, dict],
+    expected_request: dict,
+    failed_as_it_should: Callable[[], bool],
+    why: str,
+) -> None:
+    """The good requests completed, and the special one either completed as `detok run` did
+    or failed alone, as `failed_as_it_should()` checks."""
+    assert_good_requests_completed(pipeline, expected)
+    request_id = expected_request["request_id"]
+    outcome = completions(pipeline).get(request_id)
+    assert outcome is not None, f"request {request_id} has no completion"
+    if outcome["status"] == "ok":
+        assert outcome == expected_request
+    else:
+        assert failed_as_it_should(), why
 
 
 def _has_output_too_large(pipeline: Pipeline, request_id: str) -> bool:
@@ -144,7 +184,6 @@ def test_item2_large_out_of_order_event_held_across_runs_does_not_stop_the_worke
     """A ~450 KB tokens event arrives before its predecessor and is held over a commit (the
     first run ends while the gap is open); the second run gets the missing event."""
     pipeline = new_pipeline(kafka_bootstrap, tmp_path)
-    good, expected = _good(20, 163, tmp_path)
     first_ids, big_ids = [11, 995], [15496] * 75_000  # "15496," is 6 bytes: ~450 KB of value
     held = {
         "request_id": "held",
@@ -153,37 +192,29 @@ def test_item2_large_out_of_order_event_held_across_runs_does_not_stop_the_worke
         "output_token_ids": first_ids + big_ids,
         "finish_reason": "stop",
     }
-    expected_held = expected_completions([held], tmp_path)["held"]
+    good, expected, expected_held = _good_and(20, 163, tmp_path, held)
     big = tokens("held", 2, big_ids)
     assert 440_000 < len(big) < 460_000
-    produce(
-        kafka_bootstrap,
-        pipeline.names.input,
+    _in_two_runs(
+        pipeline,
         [
             *generation_records(good[:10]),
             Record(b"held", prompt("held", "gpt2", GPT2_HELLO_WORLD)),
             Record(b"held", big),
             *generation_records(good[10:]),
         ],
-    )
-    first = run_worker_until_idle(pipeline, instance_id="run1")
-    assert first.process.returncode == 0, f"run 1 (gap open):\n{first.tail()}"
-
-    produce(
-        kafka_bootstrap,
-        pipeline.names.input,
         [Record(b"held", tokens("held", 1, first_ids)), Record(b"held", finish("held", 3))],
+        ("gap open", "gap filled"),
     )
-    second = run_worker_until_idle(pipeline, instance_id="run2")
-    assert second.process.returncode == 0, f"run 2 (gap filled):\n{second.tail()}"
 
-    assert_good_requests_completed(pipeline, expected)
-    outcome = completions(pipeline).get("held")
-    assert outcome is not None, "the held request has no completion"
-    if outcome["status"] == "ok":
-        assert outcome == expected_held
-    else:  # refused as too large to hold: failed, with the held record set aside whole
-        assert reasons_of(pipeline, big), "failed, but the held event is not dead-lettered"
+    # Or refused as too large to hold: failed, with the held record set aside whole.
+    _completed_or_failed_alone(
+        pipeline,
+        expected,
+        expected_held,
+        lambda: bool(reasons_of(pipeline, big)),
+        "failed, but the held event is not dead-lettered",
+    )
 
 
 @pytest.mark.slow  # two worker runs
@@ -194,7 +225,6 @@ def test_item2_request_whose_text_passes_1mb_fails_alone_or_completes(
     outgrow a default-sized record. Either it completes, or only this request fails with
     `output_too_large`; never a worker exit."""
     pipeline = new_pipeline(kafka_bootstrap, tmp_path)
-    good, expected = _good(20, 164, tmp_path)
     long = {
         "request_id": "long",
         "model": "gpt2",
@@ -202,7 +232,7 @@ def test_item2_request_whose_text_passes_1mb_fails_alone_or_completes(
         "output_token_ids": [GPT2_LONG_TOKEN] * 17_000,
         "finish_reason": "length",
     }
-    expected_long = expected_completions([long], tmp_path)["long"]
+    good, expected, expected_long = _good_and(20, 164, tmp_path, long)
     assert len(expected_long["text"].encode()) > 1_100_000
     produce(
         kafka_bootstrap,
@@ -216,13 +246,13 @@ def test_item2_request_whose_text_passes_1mb_fails_alone_or_completes(
 
     assert_runs_twice_cleanly(pipeline)
 
-    assert_good_requests_completed(pipeline, expected)
-    outcome = completions(pipeline).get("long")
-    assert outcome is not None, "the long request has no completion"
-    if outcome["status"] == "ok":
-        assert outcome == expected_long
-    else:
-        assert _has_output_too_large(pipeline, "long"), "failed without output_too_large"
+    _completed_or_failed_alone(
+        pipeline,
+        expected,
+        expected_long,
+        lambda: _has_output_too_large(pipeline, "long"),
+        "failed without output_too_large",
+    )
 
 
 @pytest.mark.slow  # two worker runs
@@ -234,7 +264,6 @@ def test_item2_200k_id_prompt_on_a_topic_that_allows_it_is_held_over_a_commit(
     Either the request completes, or it alone fails with `output_too_large`."""
     pipeline = new_pipeline(kafka_bootstrap, tmp_path)
     _allow_large_records(kafka_bootstrap, pipeline.names.input, 4_000_000)
-    good, expected = _good(20, 169, tmp_path)
     request = {
         "request_id": "wide",
         "model": "gpt2",
@@ -242,36 +271,27 @@ def test_item2_200k_id_prompt_on_a_topic_that_allows_it_is_held_over_a_commit(
         "output_token_ids": [11, 995, 13],
         "finish_reason": "stop",
     }
-    expected_request = expected_completions([request], tmp_path)["wide"]
+    good, expected, expected_request = _good_and(20, 169, tmp_path, request)
     wide_prompt = prompt("wide", "gpt2", request["prompt_token_ids"])
     assert len(wide_prompt) > 1_100_000
-    produce(
-        kafka_bootstrap,
-        pipeline.names.input,
+    _in_two_runs(
+        pipeline,
         [*generation_records(good[:10]), Record(b"wide", wide_prompt)],
-    )
-    first = run_worker_until_idle(pipeline, instance_id="run1")
-    assert first.process.returncode == 0, f"run 1 (prompt open):\n{first.tail()}"
-
-    produce(
-        kafka_bootstrap,
-        pipeline.names.input,
         [
             Record(b"wide", tokens("wide", 1, request["output_token_ids"])),
             Record(b"wide", finish("wide", 2)),
             *generation_records(good[10:]),
         ],
+        ("prompt open", "tokens and finish"),
     )
-    second = run_worker_until_idle(pipeline, instance_id="run2")
-    assert second.process.returncode == 0, f"run 2 (tokens and finish):\n{second.tail()}"
 
-    assert_good_requests_completed(pipeline, expected)
-    outcome = completions(pipeline).get("wide")
-    assert outcome is not None, "the wide-prompt request has no completion"
-    if outcome["status"] == "ok":
-        assert outcome == expected_request
-    else:
-        assert _has_output_too_large(pipeline, "wide"), "failed without output_too_large"
+    _completed_or_failed_alone(
+        pipeline,
+        expected,
+        expected_request,
+        lambda: _has_output_too_large(pipeline, "wide"),
+        "failed without output_too_large",
+    )
 
 
 @pytest.mark.slow  # two worker runs
@@ -281,7 +301,6 @@ def test_item3_held_event_with_a_null_header_value_completes_once_the_gap_fills(
     """Kafka headers may have a null value; the record is held (seq 2 before seq 1) over a
     commit, so whatever the worker stores for held events must carry it."""
     pipeline = new_pipeline(kafka_bootstrap, tmp_path)
-    good, expected = _good(20, 165, tmp_path)
     request = {
         "request_id": "nullh",
         "model": "gpt2",
@@ -289,36 +308,27 @@ def test_item3_held_event_with_a_null_header_value_completes_once_the_gap_fills(
         "output_token_ids": [11, 995, 15496, 995],
         "finish_reason": "stop",
     }
-    expected_request = expected_completions([request], tmp_path)["nullh"]
+    good, expected, expected_request = _good_and(20, 165, tmp_path, request)
     second = tokens("nullh", 2, [15496, 995])
-    produce(
-        kafka_bootstrap,
-        pipeline.names.input,
+    _in_two_runs(
+        pipeline,
         [
             *generation_records(good[:10]),
             Record(b"nullh", prompt("nullh", "gpt2", GPT2_HELLO_WORLD)),
             Record(b"nullh", second, headers=[("trace", None), ("origin", b"upstream")]),
             *generation_records(good[10:]),
         ],
-    )
-    first_run = run_worker_until_idle(pipeline, instance_id="run1")
-    assert first_run.process.returncode == 0, f"run 1 (event held):\n{first_run.tail()}"
-
-    produce(
-        kafka_bootstrap,
-        pipeline.names.input,
         [Record(b"nullh", tokens("nullh", 1, [11, 995])), Record(b"nullh", finish("nullh", 3))],
+        ("event held", "gap filled"),
     )
-    second_run = run_worker_until_idle(pipeline, instance_id="run2")
-    assert second_run.process.returncode == 0, f"run 2 (gap filled):\n{second_run.tail()}"
 
-    assert_good_requests_completed(pipeline, expected)
-    outcome = completions(pipeline).get("nullh")
-    assert outcome is not None, "the request with the null header has no completion"
-    if outcome["status"] == "ok":
-        assert outcome == expected_request
-    else:
-        assert reasons_of(pipeline, second), "failed, but the held event is not dead-lettered"
+    _completed_or_failed_alone(
+        pipeline,
+        expected,
+        expected_request,
+        lambda: bool(reasons_of(pipeline, second)),
+        "failed, but the held event is not dead-lettered",
+    )
 
 
 def test_item17_error_headers_planted_on_input_do_not_name_the_failure(

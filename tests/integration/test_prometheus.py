@@ -24,15 +24,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, missing_resource
-from tests.integration.conftest import WAIT_BOUND_S, unique_name
+from tests.integration.conftest import WAIT_BOUND_S
 from tests.integration.worker_harness import (
+    NewPipelineRun,
     make_generations,
-    models,
-    offline_completions,
-    pipeline_topics,
-    start_worker,
     stop,
-    write_jsonl,
 )
 from workers.replay import replay
 
@@ -112,27 +108,20 @@ def start_prometheus(binary: str, metrics_port: int, tmp_path: Path) -> tuple:
 
 @pytest.fixture
 def prometheus_and_worker(
-    prometheus_binary: str, kafka_bootstrap: str, tmp_path: Path
+    prometheus_binary: str, pipeline_run: NewPipelineRun, tmp_path: Path
 ) -> Iterator[tuple[str, dict[str, dict], int]]:
     """A worker decoding replayed generations, and a Prometheus scraping it.
     Yields (Prometheus URL, the oracle's completions, records replayed)."""
-    source = write_jsonl(tmp_path / "generations.jsonl", make_generations(200, seed=41))
-    expected = offline_completions(source, models().registry())
-    names = pipeline_topics(kafka_bootstrap)
+    run = pipeline_run(make_generations(200, seed=41))
     metrics_port = free_port()
-    worker = start_worker(
-        kafka_bootstrap,
-        names,
-        unique_name("prom"),
-        instance_id="prom-1",
-        extra=["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"],
-        log_dir=tmp_path,
+    worker = run.start_worker(
+        "prom-1", extra=["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
     )
     prometheus, base = start_prometheus(prometheus_binary, metrics_port, tmp_path)
     try:
         wait_for("Prometheus ready", lambda: _ready(base, prometheus))
-        records = replay(kafka_bootstrap, source, names.input, progress=False).events
-        yield base, expected, records
+        records = replay(run.bootstrap, run.source, run.names.input, progress=False).events
+        yield base, run.expected, records
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=WAIT_BOUND_S)

@@ -7,24 +7,15 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
-from tests.conftest import real_tokenizer_path
-from tests.integration.conftest import unique_name
 from tests.integration.worker_harness import (
     TEXTS,
-    assert_deltas_cover_exactly_once,
-    completions_on,
-    models,
-    offline_completions,
-    pipeline_topics,
+    NewPipelineRun,
     read_topic,
-    start_worker,
     wait_exit,
-    write_jsonl,
+    worker_tokenizers,
 )
 from workers.replay import replay
 
@@ -32,8 +23,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def long_prompts() -> list[dict]:
-    gpt2 = Tokenizer.from_file(str(real_tokenizer_path("gpt2")))
-    qwen2 = Tokenizer.from_file(str(real_tokenizer_path("qwen2-from-tiktoken")))
+    gpt2, qwen2 = worker_tokenizers()["gpt2"], worker_tokenizers()["qwen2"]
     generations = []
     for model, tok, length in (("gpt2", gpt2, 500_000), ("qwen2", qwen2, 200_000)):
         words = tok.encode(" ".join(TEXTS), add_special_tokens=False).ids
@@ -56,15 +46,14 @@ def long_prompts() -> list[dict]:
 
 
 def test_a_500k_id_prompt_through_replay_and_the_worker_equals_detok_run(
-    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    pipeline_run: NewPipelineRun, caplog: pytest.LogCaptureFixture
 ) -> None:
-    source = write_jsonl(tmp_path / "generations.jsonl", long_prompts())
-    expected = offline_completions(source, models().registry())
+    run = pipeline_run(long_prompts(), partitions=2)
+    kafka_bootstrap, names, expected = run.bootstrap, run.names, run.expected
     assert expected["long-gpt2"]["prompt_tokens"] == 500_000
     assert expected["long-qwen2"]["filtered_prompt_ids"] == [151_700, 151_800]
-    names = pipeline_topics(kafka_bootstrap, partitions=2)
     with caplog.at_level(logging.INFO, logger="detok.replay"):
-        totals = replay(kafka_bootstrap, source, names.input, progress=False)
+        totals = replay(kafka_bootstrap, run.source, names.input, progress=False)
     assert totals.requests == 4
     assert "request long-gpt2: prompt of 500000 ids" in caplog.text
     sent = [json.loads(v) for _, v, _ in read_topic(kafka_bootstrap, names.input)]
@@ -72,18 +61,9 @@ def test_a_500k_id_prompt_through_replay_and_the_worker_equals_detok_run(
     assert len(prompts["long-gpt2"]["prompt_token_ids"]) == 64
     assert prompts["long-gpt2"]["prompt_tokens"] == 500_000
 
-    worker = start_worker(
-        kafka_bootstrap,
-        names,
-        unique_name("g"),
-        instance_id="tails",
-        extra=["--exit-when-idle", "3"],
-        log_dir=tmp_path,
-    )
+    worker = run.start_worker("tails", extra=["--exit-when-idle", "3"])
     assert wait_exit(worker) == 0
-    got = completions_on(kafka_bootstrap, names)
-    assert got == expected
-    assert_deltas_cover_exactly_once(kafka_bootstrap, names, expected)
+    run.assert_exactly_once()
     filtered = [json.loads(v) for _, v, _ in read_topic(kafka_bootstrap, names.metrics)]
     assert [(m["request_id"], m["filtered_ids"], m["prompt_tokens"]) for m in filtered] == [
         ("long-qwen2", [151_700, 151_800], 200_000)

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +27,15 @@ from tests.conftest import REPO_ROOT, missing_resource
 from tests.integration.conftest import free_port_pair, unique_name
 from tests.integration.worker_harness import (
     assert_deltas_cover_exactly_once,
+    input_all_committed,
     make_generations,
-    models,
     offline_completions,
+    oracle_registry,
     start_worker,
     wait_exit,
+    wait_for_first_commit,
+    wait_for_log,
+    worker_log,
     write_jsonl,
 )
 from workers import broker
@@ -207,7 +210,7 @@ def test_the_pipeline_over_sasl_ssl_each_step_as_its_own_least_privileged_princi
 ) -> None:
     generations = make_generations(120, seed=41)
     source = write_jsonl(tmp_path / "generations.jsonl", [*generations, *INVALID_LINES])
-    expected = offline_completions(source, models().registry())
+    expected = offline_completions(source, oracle_registry())
     names = TopicNames.with_prefix(unique_name("sec"))
     group = unique_name("g")
 
@@ -227,14 +230,24 @@ def test_the_pipeline_over_sasl_ssl_each_step_as_its_own_least_privileged_princi
     )  # fmt: skip
     as_worker = ["--kafka-config", str(secured.configs["worker"])]
     idle_exit = ["--exit-when-idle", "6"]
+    doomed_log, survivor_log = worker_log(tmp_path, "a"), worker_log(tmp_path, "b")
     doomed = start_worker(
-        secured.bootstrap, names, group, instance_id="a", extra=as_worker, log_dir=tmp_path
-    )
+        secured.bootstrap, names, group, instance_id="a", extra=as_worker, log_dir=tmp_path,
+        log_path=doomed_log,
+    )  # fmt: skip
     survivor = start_worker(
         secured.bootstrap, names, group, instance_id="b", extra=[*as_worker, *idle_exit],
-        log_dir=tmp_path,
+        log_dir=tmp_path, log_path=survivor_log,
     )  # fmt: skip
-    time.sleep(8)  # both join, restore and commit part of the stream
+    # Both join and restore, and the doomed one commits part of the stream.
+    wait_for_log(survivor_log, "restored")
+    wait_for_first_commit(
+        doomed_log,
+        lambda: (
+            replay.poll() is not None
+            and input_all_committed(secured.connection("admin"), group, names.input)
+        ),
+    )
     doomed.send_signal(signal.SIGKILL)  # no commit, no goodbye
     doomed.wait()
     # The same instance id: its transactional id fences whatever the killed one left open.
@@ -265,7 +278,7 @@ def test_refused_clients_exit_at_once_naming_the_cause_and_leave_everything_unto
     secured: Secured, tmp_path: Path
 ) -> None:
     source = write_jsonl(tmp_path / "generations.jsonl", make_generations(40, seed=43))
-    expected = offline_completions(source, models().registry())
+    expected = offline_completions(source, oracle_registry())
     names = TopicNames.with_prefix(unique_name("secneg"))
     group = unique_name("g")
     assert secured.detok("admin", "topics", "ensure", *topic_flags(names)).returncode == 0

@@ -5,138 +5,82 @@ runs real `detok worker` processes, and reads the output topics read_committed."
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
 
-from tests.integration.conftest import WAIT_BOUND_S, unique_name
+from tests.integration.conftest import WAIT_BOUND_S
 from tests.integration.worker_harness import (
-    assert_deltas_cover_exactly_once,
-    completions_on,
+    NewPipelineRun,
     make_generations,
-    models,
-    offline_completions,
-    paced_replay,
-    pipeline_topics,
     read_topic,
-    start_worker,
     stop,
     wait_exit,
-    write_jsonl,
 )
-from workers.replay import replay
 
 pytestmark = pytest.mark.integration
 
 IDLE_EXIT = ["--exit-when-idle", "3"]
 
 
-def wait_for_completions(bootstrap: str, names, count: int) -> dict[str, dict]:
-    deadline = time.monotonic() + WAIT_BOUND_S * 2
-    while True:
-        found = completions_on(bootstrap, names)
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
-        time.sleep(1.0)
+def test_replay_worker_collect_equals_detok_run(pipeline_run: NewPipelineRun) -> None:
+    run = pipeline_run(make_generations(300))
+    assert len(run.expected) == 300
+    run.replay()
 
-
-def test_replay_worker_collect_equals_detok_run(kafka_bootstrap: str, tmp_path: Path) -> None:
-    source = write_jsonl(tmp_path / "generations.jsonl", make_generations(300))
-    expected = offline_completions(source, models().registry())
-    assert len(expected) == 300
-    names = pipeline_topics(kafka_bootstrap)
-    replay(kafka_bootstrap, source, names.input, progress=False)
-
-    worker = start_worker(
-        kafka_bootstrap,
-        names,
-        unique_name("g"),
-        instance_id="solo",
-        extra=IDLE_EXIT,
-        log_dir=tmp_path,
-    )
+    worker = run.start_worker("solo", extra=IDLE_EXIT)
     assert wait_exit(worker) == 0
 
-    assert completions_on(kafka_bootstrap, names) == expected
-    assert_deltas_cover_exactly_once(kafka_bootstrap, names, expected)
-    filtered = [json.loads(v) for _, v, _ in read_topic(kafka_bootstrap, names.metrics)]
+    run.assert_exactly_once()
+    filtered = [json.loads(v) for _, v, _ in read_topic(run.bootstrap, run.names.metrics)]
     expected_filtered = {
-        r: c["filtered_prompt_ids"] for r, c in expected.items() if c["filtered_prompt_ids"]
+        r: c["filtered_prompt_ids"] for r, c in run.expected.items() if c["filtered_prompt_ids"]
     }
     assert expected_filtered, "the workload must exercise out-of-vocabulary prompt ids"
     assert {m["request_id"]: m["filtered_ids"] for m in filtered} == expected_filtered
 
 
-def test_kill_9_mid_stream_changes_nothing(kafka_bootstrap: str, tmp_path: Path) -> None:
-    source = write_jsonl(tmp_path / "generations.jsonl", make_generations(240, seed=11))
-    expected = offline_completions(source, models().registry())
-    names = pipeline_topics(kafka_bootstrap)
-    group = unique_name("g")
+def test_kill_9_mid_stream_changes_nothing(pipeline_run: NewPipelineRun) -> None:
+    run = pipeline_run(make_generations(240, seed=11))
     # A paced replay keeps the stream going while the worker is killed and restarted.
-    producer = paced_replay(kafka_bootstrap, source, names.input, rate=40.0)
+    producer = run.paced_replay(rate=40.0)
     for _ in range(3):
-        worker = start_worker(kafka_bootstrap, names, group, instance_id="crashy", log_dir=tmp_path)
-        time.sleep(7)  # long enough to join, restore and commit some of the stream
+        worker = run.start_worker("crashy")
+        run.wait_for_first_commit(worker, producer)  # joined, restored, committed some
         worker.kill()  # SIGKILL: no commit, no goodbye
         worker.wait()
     producer.join()
-    worker = start_worker(
-        kafka_bootstrap, names, group, instance_id="crashy", extra=IDLE_EXIT, log_dir=tmp_path
-    )
+    worker = run.start_worker("crashy", extra=IDLE_EXIT)
     assert wait_exit(worker) == 0
 
-    completions = completions_on(kafka_bootstrap, names)
-    assert completions == expected
-    assert_deltas_cover_exactly_once(kafka_bootstrap, names, expected)
+    run.assert_exactly_once()
 
 
-def test_a_worker_joining_and_one_leaving_change_nothing(
-    kafka_bootstrap: str, tmp_path: Path
-) -> None:
-    source = write_jsonl(tmp_path / "generations.jsonl", make_generations(240, seed=23))
-    expected = offline_completions(source, models().registry())
-    names = pipeline_topics(kafka_bootstrap)
-    group = unique_name("g")
-    producer = paced_replay(kafka_bootstrap, source, names.input, rate=80.0)
-    first = start_worker(kafka_bootstrap, names, group, instance_id="first", log_dir=tmp_path)
+def test_a_worker_joining_and_one_leaving_change_nothing(pipeline_run: NewPipelineRun) -> None:
+    run = pipeline_run(make_generations(240, seed=23))
+    producer = run.paced_replay(rate=80.0)
+    first = run.start_worker("first")
     # Each step waits for the worker's own log, not a fixed time: on a loaded machine loading
     # the tokenizers alone took over 7 s, and a SIGTERM before the worker runs ends it with -15.
-    _wait_for_log(tmp_path, "first", "restored")
-    second = start_worker(
-        kafka_bootstrap, names, group, instance_id="second", extra=IDLE_EXIT, log_dir=tmp_path
-    )
-    _wait_for_log(tmp_path, "second", "restored")  # it joined and holds partitions
+    run.wait_for_log(first, "restored")
+    second = run.start_worker("second", extra=IDLE_EXIT)
+    run.wait_for_log(second, "restored")  # it joined and holds partitions
     assert stop(first) == 0  # leaves the group cleanly: its partitions move to `second`
     producer.join()
     assert wait_exit(second) == 0
 
-    assert completions_on(kafka_bootstrap, names) == expected
-    assert_deltas_cover_exactly_once(kafka_bootstrap, names, expected)
+    run.assert_exactly_once()
 
 
-def test_every_event_twice_changes_nothing(kafka_bootstrap: str, tmp_path: Path) -> None:
-    generations = make_generations(120, seed=5)
-    source = write_jsonl(tmp_path / "generations.jsonl", generations)
-    doubled = write_jsonl(tmp_path / "doubled.jsonl", generations)
-    expected = offline_completions(source, models().registry())
-    names = pipeline_topics(kafka_bootstrap)
-    replay(kafka_bootstrap, source, names.input, progress=False)
-    replay(kafka_bootstrap, doubled, names.input, progress=False)  # the same events again
+def test_every_event_twice_changes_nothing(pipeline_run: NewPipelineRun) -> None:
+    run = pipeline_run(make_generations(120, seed=5))
+    run.replay()
+    run.replay()  # the same events again
 
-    worker = start_worker(
-        kafka_bootstrap,
-        names,
-        unique_name("g"),
-        instance_id="dup",
-        extra=IDLE_EXIT,
-        log_dir=tmp_path,
-    )
+    worker = run.start_worker("dup", extra=IDLE_EXIT)
     assert wait_exit(worker) == 0
-    assert completions_on(kafka_bootstrap, names) == expected
-    assert_deltas_cover_exactly_once(kafka_bootstrap, names, expected)
-    dead = list(read_topic(kafka_bootstrap, names.dead_letters))
+    run.assert_exactly_once()
+    dead = list(read_topic(run.bootstrap, run.names.dead_letters))
     assert dead == [], "duplicates are dropped and counted, never dead-lettered"
 
 
@@ -145,12 +89,10 @@ def _event(**fields) -> bytes:
 
 
 def test_poison_input_is_dead_lettered_with_headers_and_the_rest_completes(
-    kafka_bootstrap: str, tmp_path: Path
+    pipeline_run: NewPipelineRun,
 ) -> None:
-    generations = make_generations(40, seed=3)
-    source = write_jsonl(tmp_path / "generations.jsonl", generations)
-    expected = offline_completions(source, models().registry())
-    names = pipeline_topics(kafka_bootstrap)
+    run = pipeline_run(make_generations(40, seed=3))
+    kafka_bootstrap, names, expected = run.bootstrap, run.names, run.expected
     gpt2_prompt = [15496, 995]
     poison: list[tuple[str, bytes, str]] = [  # (key, value, expected reason)
         (
@@ -227,19 +169,12 @@ def test_poison_input_is_dead_lettered_with_headers_and_the_rest_completes(
     for key, value, _ in poison:
         producer.produce(names.input, value, key.encode(), headers=header)
     assert producer.flush(WAIT_BOUND_S) == 0
-    replay(kafka_bootstrap, source, names.input, progress=False)
+    run.replay()
 
-    worker = start_worker(
-        kafka_bootstrap,
-        names,
-        unique_name("g"),
-        instance_id="poison",
-        extra=["--exit-when-idle", "9", "--request-ttl", "4"],
-        log_dir=tmp_path,
-    )
+    worker = run.start_worker("poison", extra=["--exit-when-idle", "9", "--request-ttl", "4"])
     assert wait_exit(worker) == 0
 
-    completions = completions_on(kafka_bootstrap, names)
+    completions = run.completions()
     for request_id, completion in expected.items():
         assert completions[request_id] == completion
     assert completions["strict"]["status"] == "failed"
@@ -281,11 +216,3 @@ def test_poison_input_is_dead_lettered_with_headers_and_the_rest_completes(
         "request_already_failed",
         "ttl_expired",
     }
-
-
-def _wait_for_log(log_dir: Path, instance_id: str, text: str) -> None:
-    deadline = time.monotonic() + WAIT_BOUND_S
-    while not any(text in log.read_text() for log in log_dir.glob(f"worker-{instance_id}-*.log")):
-        if time.monotonic() > deadline:
-            pytest.fail(f"worker {instance_id} did not log {text!r} within the wait bound")
-        time.sleep(0.1)

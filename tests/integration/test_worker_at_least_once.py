@@ -10,23 +10,14 @@ where each belongs.
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import unique_name
 from tests.integration.worker_harness import (
-    completions_on,
+    NewPipelineRun,
     make_generations,
-    models,
-    offline_completions,
-    paced_replay,
-    pipeline_topics,
     read_topic,
-    start_worker,
     wait_exit,
-    write_jsonl,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -46,36 +37,24 @@ def reassemble(deltas: list[dict]) -> str:
 
 
 def test_deltas_reassembled_by_offset_give_the_completion_after_kill_9(
-    kafka_bootstrap: str, tmp_path: Path
+    pipeline_run: NewPipelineRun,
 ) -> None:
-    source = write_jsonl(tmp_path / "generations.jsonl", make_generations(240, seed=17))
-    expected = offline_completions(source, models().registry())
-    names = pipeline_topics(kafka_bootstrap)
-    group = unique_name("g")
+    run = pipeline_run(make_generations(240, seed=17))
     alos = ["--guarantee", "at-least-once"]
-    producer = paced_replay(kafka_bootstrap, source, names.input, rate=60.0)
+    producer = run.paced_replay(rate=40.0)
     for _ in range(2):
-        worker = start_worker(
-            kafka_bootstrap, names, group, instance_id="alos", extra=alos, log_dir=tmp_path
-        )
-        time.sleep(6)  # join, restore, commit some of the stream
+        worker = run.start_worker("alos", extra=alos)
+        run.wait_for_first_commit(worker, producer)  # joined, restored, committed some
         worker.kill()  # SIGKILL: outputs out, offsets maybe not: a replay follows
         worker.wait()
     producer.join()
-    worker = start_worker(
-        kafka_bootstrap,
-        names,
-        group,
-        instance_id="alos",
-        extra=[*alos, "--exit-when-idle", "3"],
-        log_dir=tmp_path,
-    )
+    worker = run.start_worker("alos", extra=[*alos, "--exit-when-idle", "3"])
     assert wait_exit(worker) == 0
 
-    completions = completions_on(kafka_bootstrap, names)
-    assert completions == expected
+    completions = run.completions()
+    assert completions == run.expected
     deltas: dict[str, list[dict]] = {}
-    for _, value, _ in read_topic(kafka_bootstrap, names.deltas):
+    for _, value, _ in read_topic(run.bootstrap, run.names.deltas):
         delta = json.loads(value)
         deltas.setdefault(delta["request_id"], []).append(delta)
     for request_id, completion in completions.items():

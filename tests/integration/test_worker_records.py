@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
@@ -18,19 +17,14 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from tests.integration.conftest import WAIT_BOUND_S, unique_name
+from tests.integration.conftest import WAIT_BOUND_S
 from tests.integration.worker_harness import (
-    completions_on,
+    NewPipelineRun,
+    PipelineRun,
     make_generations,
-    models,
-    offline_completions,
-    pipeline_topics,
     read_topic,
-    start_worker,
     wait_exit,
-    write_jsonl,
 )
-from workers.replay import replay
 from workers.topic_names import TopicNames
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -64,11 +58,8 @@ def produce(bootstrap: str, topic: str, records: Iterable[Record]) -> dict[bytes
     return partition_of
 
 
-def run_worker(bootstrap: str, names: TopicNames, group: str, log_dir: Path) -> None:
-    worker = start_worker(
-        bootstrap, names, group, instance_id="records", extra=IDLE_EXIT, log_dir=log_dir
-    )
-    assert wait_exit(worker) == 0
+def run_worker(run: PipelineRun) -> None:
+    assert wait_exit(run.start_worker("records", extra=IDLE_EXIT)) == 0
 
 
 def dead_letters(bootstrap: str, names: TopicNames) -> list[tuple[bytes | None, dict]]:
@@ -82,12 +73,10 @@ def reason_of(headers: dict) -> str:
 
 
 def test_poison_records_are_set_aside_and_every_restart_keeps_running(
-    kafka_bootstrap: str, tmp_path: Path
+    pipeline_run: NewPipelineRun,
 ) -> None:
-    source = write_jsonl(tmp_path / "generations.jsonl", make_generations(30, seed=41))
-    expected = offline_completions(source, models().registry())
-    names = pipeline_topics(kafka_bootstrap, partitions=2)
-    group = unique_name("g")
+    run = pipeline_run(make_generations(30, seed=41), partitions=2)
+    kafka_bootstrap, names, expected = run.bootstrap, run.names, run.expected
     deep = (
         b'{"type": "tokens", "request_id": "deep", "seq": 1, "token_ids": [11], "x": '
         + b"[" * 2000
@@ -141,8 +130,8 @@ def test_poison_records_are_set_aside_and_every_restart_keeps_running(
         ),
     ]
     produce(kafka_bootstrap, names.input, phase_one)
-    replay(kafka_bootstrap, source, names.input, progress=False)
-    run_worker(kafka_bootstrap, names, group, tmp_path)
+    run.replay()
+    run_worker(run)
 
     stray = event(type="tokens", request_id="split", seq=1, token_ids=[11])
     phase_two: list[Record] = [
@@ -153,10 +142,10 @@ def test_poison_records_are_set_aside_and_every_restart_keeps_running(
         (b"split", event(type="finish", request_id="split", seq=2), None, 0),
     ]
     produce(kafka_bootstrap, names.input, phase_two)
-    run_worker(kafka_bootstrap, names, group, tmp_path)
-    run_worker(kafka_bootstrap, names, group, tmp_path)  # nothing new: restores and idles
+    run_worker(run)
+    run_worker(run)  # nothing new: restores and idles
 
-    completions = completions_on(kafka_bootstrap, names)
+    completions = run.completions()
     for request_id, completion in expected.items():
         assert completions[request_id] == completion
     for request_id in ("deep", "keyed", "held", "split"):
@@ -177,12 +166,10 @@ def test_poison_records_are_set_aside_and_every_restart_keeps_running(
 
 
 def test_outputs_too_large_and_corrupt_snapshots_fail_only_their_request(
-    kafka_bootstrap: str, tmp_path: Path
+    pipeline_run: NewPipelineRun,
 ) -> None:
-    source = write_jsonl(tmp_path / "generations.jsonl", make_generations(30, seed=43))
-    expected = offline_completions(source, models().registry())
-    names = pipeline_topics(kafka_bootstrap, partitions=2)
-    group = unique_name("g")
+    run = pipeline_run(make_generations(30, seed=43), partitions=2)
+    kafka_bootstrap, names, expected = run.bootstrap, run.names, run.expected
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     small = ConfigResource(
         ResourceType.TOPIC,
@@ -233,11 +220,11 @@ def test_outputs_too_large_and_corrupt_snapshots_fail_only_their_request(
         (b"big", event(type="finish", request_id="big", seq=2), None, None),
     ]
     produce(kafka_bootstrap, names.input, big)
-    replay(kafka_bootstrap, source, names.input, progress=False)
-    run_worker(kafka_bootstrap, names, group, tmp_path)
-    run_worker(kafka_bootstrap, names, group, tmp_path)
+    run.replay()
+    run_worker(run)
+    run_worker(run)
 
-    completions = completions_on(kafka_bootstrap, names)
+    completions = run.completions()
     for request_id, completion in expected.items():
         assert completions[request_id] == completion
     assert completions["big"]["status"] == "failed"

@@ -6,6 +6,7 @@ exactly as an orchestrator's OOM killer would. Every test gets its own topics an
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import signal
@@ -13,8 +14,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -71,14 +72,28 @@ def models() -> Models:
     )
 
 
+@functools.cache
+def oracle_registry() -> TokenizerRegistry:
+    """The registry `offline_completions` decodes with, loaded once per session: loading both
+    real tokenizers costs seconds, and `detok run`'s answer depends only on the input."""
+    return models().registry()
+
+
+@functools.cache
+def worker_tokenizers() -> dict[str, Tokenizer]:
+    """The workers' two models' tokenizers by model name, loaded once per session (seconds each
+    on a loaded machine) for the tests that build their inputs with them."""
+    return {
+        "gpt2": Tokenizer.from_file(str(real_tokenizer_path("gpt2"))),
+        "qwen2": Tokenizer.from_file(str(real_tokenizer_path("qwen2-from-tiktoken"))),
+    }
+
+
 def make_generations(count: int, seed: int = 7) -> list[dict]:
     """Deterministic logged generations over gpt2 and qwen2, with the cases that matter:
     prompts cut mid-character, qwen2 prompt ids outside the tokenizer vocab, zero-token outputs."""
     rng = random.Random(seed)
-    tokenizers = {
-        "gpt2": Tokenizer.from_file(str(real_tokenizer_path("gpt2"))),
-        "qwen2": Tokenizer.from_file(str(real_tokenizer_path("qwen2-from-tiktoken"))),
-    }
+    tokenizers = worker_tokenizers()
     encoded = {
         name: [
             tok.encode(" ".join(rng.sample(TEXTS, 3)), add_special_tokens=False).ids
@@ -146,6 +161,11 @@ def topic_args(names: TopicNames) -> list[str]:
     return args
 
 
+def worker_log(log_dir: Path, instance_id: str) -> Path:
+    """A new log file for one start of worker `instance_id` (each start gets its own)."""
+    return log_dir / f"worker-{instance_id}-{time.time_ns()}.log"
+
+
 def start_worker(
     bootstrap: str,
     names: TopicNames,
@@ -154,8 +174,9 @@ def start_worker(
     instance_id: str,
     extra: Iterable[str] = (),
     log_dir: Path,
+    log_path: Path | None = None,
 ) -> subprocess.Popen:
-    log = (log_dir / f"worker-{instance_id}-{time.time_ns()}.log").open("w")
+    log = (log_path or worker_log(log_dir, instance_id)).open("w")
     command = [
         sys.executable, "-m", "workers.cli", "worker",
         "--bootstrap-servers", bootstrap,
@@ -181,6 +202,27 @@ def stop(process: subprocess.Popen) -> int:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
     return wait_exit(process)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll until `condition()` holds. The bound only turns a hang into a failure naming `what`;
+    nothing is asserted on time."""
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def logged(logs: Path | Iterable[Path], text: str) -> bool:
+    """Whether any of the worker logs holds `text` (a log not yet created holds nothing)."""
+    paths = [logs] if isinstance(logs, Path) else logs
+    return any(path.is_file() and text in path.read_text() for path in paths)
+
+
+def wait_for_log(logs: Path | Callable[[], Iterable[Path]], text: str) -> None:
+    """Until a worker logs `text` in `logs` (one file, or the files a callable lists now)."""
+    wait_until(lambda: logged(logs if isinstance(logs, Path) else logs(), text), repr(text))
 
 
 def read_messages(bootstrap: KafkaConnection | str, topic: str) -> Iterator[Message]:
@@ -249,3 +291,121 @@ def assert_deltas_cover_exactly_once(bootstrap: str, names: TopicNames, completi
         assert parts and parts[-1]["final"], (request_id, parts)
         assert sum(d["final"] for d in parts) == 1, (request_id, parts)
         assert "".join(d["text"] for d in parts) == completion["text"], request_id
+
+
+def input_all_committed(bootstrap: KafkaConnection | str, group: str, topic: str) -> bool:
+    """Whether `group` has committed every record of `topic`: nothing left for its workers."""
+    consumer = Consumer(
+        as_connection(bootstrap).client_config({"group.id": group, "enable.auto.commit": False})
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        wanted = [TopicPartition(topic, p) for p in partitions]
+        committed = consumer.committed(wanted, timeout=30)
+        ends = [consumer.get_watermark_offsets(tp, timeout=30)[1] for tp in wanted]
+    finally:
+        consumer.close()
+    # A partition nothing was committed on reports a negative offset; it is done if empty.
+    return all(max(tp.offset, 0) >= end for tp, end in zip(committed, ends, strict=True))
+
+
+def wait_for_first_commit(log: Path, nothing_left: Callable[[], bool]) -> None:
+    """Until the worker logging to `log` has committed part of the stream (its timeline's
+    "first commit"): the moment a kill -9 tests most, with state restored, outputs committed
+    and more in flight. A fixed sleep instead is too short on a loaded machine (the kill then
+    lands before the worker has even loaded its tokenizers) and wasted time on an idle one.
+
+    A worker restored with `nothing_left()` (the input ended and all of it is committed) will
+    never commit, so its restore is enough then."""
+    wait_until(
+        lambda: logged(log, "first commit") or (logged(log, "restored") and nothing_left()),
+        f"the first commit of the worker logging to {log.name}",
+    )
+
+
+@dataclass
+class PipelineRun:
+    """One test's pipeline on a broker: its logged generations as a JSONL file, `detok run`'s
+    answer for them (the oracle the Kafka output must equal), its own topics and consumer group,
+    and every worker it started, which the `pipeline_run` fixture stops by pid at the end even
+    when the test failed half-way (a leftover worker would hold the CPU the next tests need)."""
+
+    bootstrap: str
+    log_dir: Path
+    source: Path
+    expected: dict[str, dict]
+    names: TopicNames
+    group: str
+    logs: dict[int, Path] = field(default_factory=dict)
+    workers: list[subprocess.Popen] = field(default_factory=list)
+
+    def start_worker(
+        self, instance_id: str, extra: Iterable[str] = (), log_dir: Path | None = None
+    ) -> subprocess.Popen:
+        log = worker_log(log_dir or self.log_dir, instance_id)
+        process = start_worker(
+            self.bootstrap,
+            self.names,
+            self.group,
+            instance_id=instance_id,
+            extra=extra,
+            log_dir=log.parent,
+            log_path=log,
+        )
+        self.logs[process.pid] = log
+        self.workers.append(process)
+        return process
+
+    def log_of(self, process: subprocess.Popen) -> Path:
+        return self.logs[process.pid]
+
+    def wait_for_log(self, process: subprocess.Popen, text: str) -> None:
+        wait_for_log(self.log_of(process), text)
+
+    def wait_for_first_commit(self, process: subprocess.Popen, replaying: threading.Thread) -> None:
+        wait_for_first_commit(
+            self.log_of(process),
+            lambda: (
+                not replaying.is_alive()
+                and input_all_committed(self.bootstrap, self.group, self.names.input)
+            ),
+        )
+
+    def paced_replay(self, rate: float, source: Path | None = None) -> threading.Thread:
+        return paced_replay(self.bootstrap, source or self.source, self.names.input, rate)
+
+    def replay(self, source: Path | None = None) -> None:
+        replay(self.bootstrap, source or self.source, self.names.input, progress=False)
+
+    def completions(self) -> dict[str, dict]:
+        return completions_on(self.bootstrap, self.names)
+
+    def assert_exactly_once(self) -> None:
+        """The committed completions equal `detok run`'s, and each completed request's deltas
+        tile its seqs exactly once and concatenate to its text."""
+        assert self.completions() == self.expected
+        assert_deltas_cover_exactly_once(self.bootstrap, self.names, self.expected)
+
+    def stop_leftovers(self) -> None:
+        for process in self.workers:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+# What the `pipeline_run` fixture gives a test: `pipeline_run(generations, partitions=4)`.
+NewPipelineRun = Callable[..., PipelineRun]
+
+
+def new_pipeline_run(
+    bootstrap: str, log_dir: Path, generations: list[dict], partitions: int = 4
+) -> PipelineRun:
+    source = write_jsonl(log_dir / f"generations-{time.time_ns()}.jsonl", generations)
+    return PipelineRun(
+        bootstrap=bootstrap,
+        log_dir=log_dir,
+        source=source,
+        expected=offline_completions(source, oracle_registry()),
+        names=pipeline_topics(bootstrap, partitions),
+        group=unique_name("g"),
+    )

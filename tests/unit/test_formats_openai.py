@@ -25,6 +25,14 @@ def tokenizer_file(tmp_path: Path) -> Path:
     return path
 
 
+def run_as(tokenizer_file: Path, source: Path, output_format: str) -> list[dict]:
+    """`detok run` of `source` in `output_format` (it must exit 0): the output's JSON lines."""
+    output = source.with_name(f"out-{output_format}.jsonl")
+    code = detok_run(f"bytes={tokenizer_file}", source, output, "--output-format", output_format)
+    assert code == 0
+    return read_jsonl(output)
+
+
 @pytest.fixture
 def mixed_input(tmp_path: Path) -> Path:
     """ok requests under every kind of finish reason, a failed decode, an unknown model, a line
@@ -46,16 +54,9 @@ def mixed_input(tmp_path: Path) -> Path:
 
 
 def test_every_openai_completion_line_is_an_openai_completion(
-    tmp_path: Path, tokenizer_file: Path, mixed_input: Path
+    tokenizer_file: Path, mixed_input: Path
 ) -> None:
-    output = tmp_path / "out.jsonl"
-    assert (
-        detok_run(
-            f"bytes={tokenizer_file}", mixed_input, output, "--output-format", "openai-completion"
-        )  # fmt: skip
-        == 0
-    )
-    lines = read_jsonl(output)
+    lines = run_as(tokenizer_file, mixed_input, "openai-completion")
     objects = [openai.types.Completion.model_validate(line) for line in lines]
     assert [o.id for o in objects] == ["cmpl-stop", "cmpl-length", "cmpl-none", "cmpl-abort"]
     assert [o.choices[0].finish_reason for o in objects] == ["stop", "length", "stop", "stop"]
@@ -70,16 +71,9 @@ def test_every_openai_completion_line_is_an_openai_completion(
 
 
 def test_every_openai_batch_line_has_a_completion_body_or_a_batch_error(
-    tmp_path: Path, tokenizer_file: Path, mixed_input: Path
+    tokenizer_file: Path, mixed_input: Path
 ) -> None:
-    output = tmp_path / "out.jsonl"
-    assert (
-        detok_run(
-            f"bytes={tokenizer_file}", mixed_input, output, "--output-format", "openai-batch"
-        )  # fmt: skip
-        == 0
-    )
-    lines = read_jsonl(output)
+    lines = run_as(tokenizer_file, mixed_input, "openai-batch")
     assert all(set(line) == {"id", "custom_id", "response", "error"} for line in lines)
     ok = [line for line in lines if line["response"] is not None]
     failed = [line for line in lines if line["response"] is None]
@@ -216,14 +210,7 @@ def test_a_run_with_stop_strings_and_logprobs_gives_valid_openai_logprobs(
                                         for n, token_id in enumerate(output_ids)]) + "\n",
         encoding="utf-8",
     )  # fmt: skip
-    output = tmp_path / "out.jsonl"
-    assert (
-        detok_run(
-            f"bytes={tokenizer_file}", source, output, "--output-format", "openai-completion"
-        )  # fmt: skip
-        == 0
-    )
-    [line] = read_jsonl(output)
+    [line] = run_as(tokenizer_file, source, "openai-completion")
     parsed = openai.types.Completion.model_validate(line)
     choice = parsed.choices[0]
     assert choice.text == "Hi there." and line["choices"][0]["stop_reason"] == "\n\n"

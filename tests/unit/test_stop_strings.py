@@ -143,20 +143,20 @@ def logprob_tokens(seq: int, text: str, tops: list | None = None) -> ParsedToken
 def test_logprob_entries_attribute_characters_to_the_completing_token(registry) -> None:
     processor = RequestProcessor(registry)
     result = run(processor, stop_prompt(["zz"]), logprob_tokens(1, "a€"), finish(2))
-    content = result.completions[0].logprobs.content
+    logprobs = result.completions[0].logprobs
+    content = logprobs.entries()
     assert [e.text for e in content] == ["a", "", "", "€"]
     assert [e.text_offset for e in content] == [0, 1, 1, 1]
     assert [bytes(e.bytes) for e in content] == [b"a", b"\xe2", b"\x82", b"\xac"]
     (delta,) = result.deltas
-    assert delta.logprobs == content
+    assert delta.logprobs == logprobs.content  # the same entries, built once
     wire = TextDelta.model_validate_json(delta.to_wire_json())
     assert wire.logprobs.content == content
     assert delta.to_wire_json() == wire.model_dump_json().encode()
-    # Built without validation: equal to a validated copy, and dumped without warnings.
-    logprobs = result.completions[0].logprobs
+    # Built as JSON: equal to a validated copy, and dumped by pydantic without warnings.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert Logprobs.model_validate_json(logprobs.model_dump_json()) == logprobs
+        assert Logprobs.model_validate_json(logprobs.model_dump_json()).content == content
         assert json.loads(result.completions[0].model_dump_json()) == json.loads(
             dump_json(result.completions[0])
         )

@@ -77,7 +77,7 @@ def legacy_logprobs(completion: Completion) -> dict[str, list] | None:
     if logprobs is None:
         return None
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for entry in logprobs.content:
+    for entry in logprobs.entries():
         tokens.append(entry.text)
         token_logprobs.append(entry.logprob)
         text_offset.append(entry.text_offset)
