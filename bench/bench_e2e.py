@@ -685,8 +685,18 @@ def _paced_produce(
     read, times kept in a list and keyed only afterwards."""
     # It stands in for an inference server's plain producer. With detok's idempotent default the
     # load generator itself added ~0.5 s to the measured p99 (paired runs, same worker), which
-    # is no cost of the worker's.
-    producer = make_producer(connection, {"linger.ms": 5, "enable.idempotence": False})
+    # is no cost of the worker's. One request in flight keeps its order anyway: with several, a
+    # retried batch (a broker slow for seconds during a rebalance's aborts) landed a prompt after
+    # its own tokens, which the worker rightly dead-lettered ("no prompt event"), and the run then
+    # waited in vain for those requests' final deltas.
+    producer = make_producer(
+        connection,
+        {
+            "linger.ms": 5,
+            "enable.idempotence": False,
+            "max.in.flight.requests.per.connection": 1,
+        },
+    )
     produced_at = [0.0] * len(events)
     started = time.time()
     index = 0
