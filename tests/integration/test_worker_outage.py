@@ -30,6 +30,7 @@ from workers import broker
 pytestmark = pytest.mark.integration
 
 SHUTDOWN_TIMEOUT_S = 5
+ROUND_PAUSE_S = 1.0
 
 
 class SteadyInput:
@@ -63,7 +64,11 @@ class SteadyInput:
                     )
             self.producer.poll(0)
             index += 1
-            self.stopped.wait(0.05)
+            # 20 requests a second: enough that a commit is always in flight. The pace is set
+            # here on purpose; it used to come from reloading two tokenizers every round, and
+            # once they were cached the input flooded the worker (400 requests a second, half
+            # expiring each second) so that its output could not be read to the end in time.
+            self.stopped.wait(ROUND_PAUSE_S)
 
     def stop(self) -> None:
         self.stopped.set()
