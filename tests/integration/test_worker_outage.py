@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -75,6 +76,13 @@ class SteadyInput:
         self.thread.join(WAIT_BOUND_S)
 
 
+def kill_if_running(worker: subprocess.Popen | None) -> None:
+    """A worker a failed test left behind would retry its broker forever beside the next tests."""
+    if worker is not None and worker.poll() is None:
+        worker.kill()
+        worker.wait()
+
+
 def wait_for_output(bootstrap: str, names) -> None:
     deadline = time.monotonic() + WAIT_BOUND_S
     while not completions_on(bootstrap, names) and time.monotonic() < deadline:
@@ -89,6 +97,7 @@ def test_sigterm_during_a_broker_outage_ends_within_the_shutdown_deadline(
     """On main: 146 s (three 30 s commit attempts, then the abort), past any grace period."""
     data_dir = Path(tempfile.mkdtemp(prefix="outage-", dir=REPO_ROOT / ".kafka-local"))
     running = broker.start_broker(port=free_port_pair(), data_dir=data_dir)
+    worker = None
     try:
         bootstrap = running.bootstrap_servers
         names = pipeline_topics(bootstrap, partitions=2)
@@ -125,6 +134,7 @@ def test_sigterm_during_a_broker_outage_ends_within_the_shutdown_deadline(
         # the log says the deadline, not a budget of its own, is what ended the commit.
         assert code == 1 and "before the shutdown deadline" in log
     finally:
+        kill_if_running(worker)
         broker.stop_broker(data_dir)
         shutil.rmtree(data_dir, ignore_errors=True)
 
@@ -132,6 +142,7 @@ def test_sigterm_during_a_broker_outage_ends_within_the_shutdown_deadline(
 def test_a_deleted_output_topic_is_named_as_the_cause(kafka_bootstrap: str, tmp_path: Path) -> None:
     names = pipeline_topics(kafka_bootstrap, partitions=2)
     steady = SteadyInput(kafka_bootstrap, names.input)
+    worker = None
     try:
         worker = start_worker(
             kafka_bootstrap,
@@ -147,6 +158,7 @@ def test_a_deleted_output_topic_is_named_as_the_cause(kafka_bootstrap: str, tmp_
         code = wait_exit(worker)
     finally:
         steady.stop()
+        kill_if_running(worker)
     assert code == 1
     log = "\n".join(p.read_text() for p in tmp_path.glob("worker-*.log"))
     assert f"{names.completions} no longer exist" in log
