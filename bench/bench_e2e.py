@@ -868,6 +868,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--drain-only",
+        action="store_true",
+        help="only the drain rows (1 and 2 workers, both guarantees): no latency, join or "
+        "memory rows, for a quicker paired before/after of scaling out",
+    )
+    parser.add_argument(
         "--three-brokers",
         action="store_true",
         help="also: 1 worker exactly-once on a local three-node cluster beside one broker",
@@ -964,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
     # host-side stall of a second within an 8 s run sets that run's p99, and a median is not
     # decided by one such stall.
     latencies = []
-    for share in (0.5, 0.25):
+    for share in () if args.drain_only else (0.5, 0.25):
         rate = eos1.tokens_per_s * share
         repeats: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
         for repeat in range(LATENCY_REPEATS):
@@ -978,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     # A worker joining the running group at a quarter of the rate, LATENCY_REPEATS times.
     join_rate = eos1.tokens_per_s * 0.25
     joins: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
-    for repeat in range(LATENCY_REPEATS):
+    for repeat in range(0 if args.drain_only else LATENCY_REPEATS):
         for tree in _in_turn(trees, repeat):
             seconds = max(args.latency_seconds, JOIN_RUN_S)
             run = latency_run(kafka, workload, join_rate, seconds, logs, tree, join=True)
@@ -986,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
             first = run["join"].get("first_visible_s")
             shown = "never" if first is None else f"{first:.2f} s"
             note(f"{tree.label}: joining worker's first output {shown} after its assignment")
-    memory = memory_and_restore(kafka, workload, args.active, logs)
+    memory = None if args.drain_only else memory_and_restore(kafka, workload, args.active, logs)
     three_brokers = None
     if args.three_brokers:
         three_brokers = three_broker_row(kafka, workload, input_topic, logs, note)
@@ -1019,6 +1025,10 @@ def main(argv: list[str] | None = None) -> int:
                 "core_paired": r.core_tokens_per_s is not None,
                 "peak_rss": r.peak_rss,
                 "redone_tokens": r.redone_tokens,
+                **{
+                    counter: sum(s.get(counter, 0) for s in r.summaries)
+                    for counter in ("aborted_commits", "recommitted_commits")
+                },
                 "joining_timeline": joining_timeline(r.summaries),
             }
             for r in runs
@@ -1026,7 +1036,9 @@ def main(argv: list[str] | None = None) -> int:
         "worker_time_shares": eos1.time_shares(),
         "exactly_once_cost": 1 - eos1.tokens_per_s / alos1.tokens_per_s,
         "latency": latencies,
-        "join": {
+        "join": None
+        if args.drain_only
+        else {
             "tokens_per_s": join_rate,
             **{label: _median_join(r) for label, r in joins.items()},
         },
@@ -1163,6 +1175,17 @@ def print_table(report: dict[str, Any]) -> None:
                 f"peak RSS {run['peak_rss'] / 2**20:.0f} MB",
             )
         )
+    for run in report["runs"]:  # what rebalances cost: commits that did not take, redone work
+        if run["workers"] > 1:
+            rows.append(
+                (
+                    f"  {run['tree']}: {run['label']}: after rebalances",
+                    f"{run['redone_tokens']:,} tokens redone",
+                    f"{run['aborted_commits']} commits did not take, "
+                    f"{run['recommitted_commits']} committed again under a new generation",
+                    "",
+                )
+            )
     for guarantee in ("exactly-once", "at-least-once"):
         for tree in ("this", "base") if base else ("this",):
             two, one = runs.get((tree, 2, guarantee)), runs.get((tree, 1, guarantee))
@@ -1203,7 +1226,8 @@ def print_table(report: dict[str, Any]) -> None:
             _ok(report["exactly_once_cost"] <= 0.15),
         ),
     ]
-    for share, latency in zip(("1/2", "1/4"), report["latency"], strict=True):
+    shares_run = ("1/2", "1/4")[: len(report["latency"])]  # none with --drain-only
+    for share, latency in zip(shares_run, report["latency"], strict=True):
         for tree in ("this", "base") if base else ("this",):
             figures = latency[tree]
             rows.append(
@@ -1219,7 +1243,7 @@ def print_table(report: dict[str, Any]) -> None:
                 )
             )
     join = report["join"]
-    for tree in ("this", "base") if base else ("this",):
+    for tree in ("this", "base") if base and join else ("this",) if join else ():
         figures = join[tree]
         firsts = ", ".join(
             "never" if first is None else f"{first:.2f}"
@@ -1237,21 +1261,25 @@ def print_table(report: dict[str, Any]) -> None:
         )
         if figures["join"].get("timeline"):
             rows.append(("  its timeline", _timeline(figures["join"]["timeline"]), "", ""))
-    rows += [
-        (
-            f"memory per active request ({memory['active_requests']:,} active)",
-            f"{memory['bytes_per_active_request']:,.0f} B "
-            f"({memory['growth_per_10k_mb']:.1f} MB / 10k)",
-            "<= 2 KB",
-            _ok(memory["bytes_per_active_request"] <= 2048),
-        ),
-        (
-            f"restore of {memory['restored_requests']:,} active requests after kill -9",
-            f"{memory['restore_s']:.2f} s",
-            "<= 3 s",
-            _ok(memory["restore_s"] <= 3.0),
-        ),
-    ]
+    rows += (
+        []
+        if memory is None
+        else [
+            (
+                f"memory per active request ({memory['active_requests']:,} active)",
+                f"{memory['bytes_per_active_request']:,.0f} B "
+                f"({memory['growth_per_10k_mb']:.1f} MB / 10k)",
+                "<= 2 KB",
+                _ok(memory["bytes_per_active_request"] <= 2048),
+            ),
+            (
+                f"restore of {memory['restored_requests']:,} active requests after kill -9",
+                f"{memory['restore_s']:.2f} s",
+                "<= 3 s",
+                _ok(memory["restore_s"] <= 3.0),
+            ),
+        ]
+    )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))

@@ -20,13 +20,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from queue import SimpleQueue
 from typing import Any, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from pipeline.processor import Origin
+from workers.kafka_clients import produce
 
 log = logging.getLogger("detok.worker")
 
@@ -88,6 +89,44 @@ REBALANCE_COMMIT_ERRORS = frozenset(
         KafkaError._ASSIGNMENT_LOST,
     }
 )
+
+
+# A transaction refused because the group moved to a new generation while it was on its way
+# (ILLEGAL_GENERATION: its offsets carried the generation the loop saw when it committed) is
+# committed again under the new one: the same records, the same offsets. In a cooperative
+# rebalance every member's generation moves twice, and a transaction in flight at either moment
+# was refused; rolling back (restore every partition from the changelog, re-consume) redid
+# 11-14% of a two-worker drain. The refused transaction's partitions are still this member's:
+# a cooperative rebalance takes a partition from it only in its revoke callback, which settles
+# (and so recommits) the transaction first. The new generation reaches the consumer with the
+# join response that follows the refusal within a round trip; RECOMMIT_WAIT_S bounds that wait,
+# past which (or after RECOMMIT_ATTEMPTS refusals in a row) the worker rolls back as before.
+RECOMMIT_ATTEMPTS = 3
+RECOMMIT_WAIT_S = CALL_TIMEOUT_S
+RECOMMIT_POLL_S = 0.005
+# librdkafka's serialised group metadata (`rd_kafka_consumer_group_metadata_write`): this magic,
+# the generation id (4 bytes), then the group id, member id and instance id. Only a metadata
+# that differs from the refused one in the generation alone is the same member's: a member
+# removed from the group (session timeout) rejoins under a new member id, and its partitions
+# may be another member's by then, so its refused transactions are rolled back.
+GROUP_METADATA_MAGIC = b"CGMDv2:"
+GENERATION_BYTES = slice(len(GROUP_METADATA_MAGIC), len(GROUP_METADATA_MAGIC) + 4)
+
+# A record as the writer produced it (topic, value, the rest of `produce`'s arguments): kept
+# for each transaction so that one refused by a new generation can be produced again unchanged.
+ProducedRecord = tuple[str, bytes | None, dict[str, Any]]
+
+
+def same_member_next_generation(refused: bytes, current: bytes) -> bool:
+    """True if `current` is the group metadata of the member `refused` named, under another
+    generation: what a transaction refused by ILLEGAL_GENERATION may be committed again under."""
+    magic, generation = GROUP_METADATA_MAGIC, GENERATION_BYTES
+    return (
+        refused.startswith(magic)
+        and current.startswith(magic)
+        and current[generation] != refused[generation]
+        and current[generation.stop :] == refused[generation.stop :]
+    )
 
 
 # Why a transaction was aborted, the `cause` label of the worker's abort counter:
@@ -199,6 +238,8 @@ class CommitOutcome:
     rollback: bool = False  # the outputs were discarded: restore and re-consume
     abort_cause: str | None = None  # why it was aborted (a label of ABORT_CAUSES)
     refused_offsets: dict[int, int] = field(default_factory=dict)  # offer again if still ours
+    generation_moved: bool = False  # refused by ILLEGAL_GENERATION (see RECOMMIT_ATTEMPTS)
+    recommits: int = 0  # times it was refused that way and committed again, unchanged
 
 
 class CommitStrategy(Protocol):
@@ -208,6 +249,8 @@ class CommitStrategy(Protocol):
     # What a restore keeps: True when a changelog record may be ahead of the committed input
     # (its snapshot was written, its offsets never committed) and must be skipped.
     restore_skips_ahead_of_commit: bool
+    # True when `commit` is to be given the records produced for it (`ProducedRecord`).
+    keeps_records: bool
 
     def producer_settings(self) -> dict[str, Any]: ...
     def start(self, producer: Producer, renew: Callable[[str], Producer]) -> None:
@@ -220,13 +263,22 @@ class CommitStrategy(Protocol):
         ...
 
     def commit(
-        self, consumer: Consumer, offsets: list[TopicPartition], decoded_tokens: int
+        self,
+        consumer: Consumer,
+        offsets: list[TopicPartition],
+        decoded_tokens: int,
+        records: list[ProducedRecord],
     ) -> CommitOutcome | None:
-        """Commit what was produced since the last commit with `offsets`; None while the
-        outcome is pending (`settle` returns it)."""
+        """Commit what was produced since the last commit (`records`, if `keeps_records`)
+        with `offsets`; None while the outcome is pending (`settle` returns it)."""
         ...
 
-    def settle(self) -> CommitOutcome | None: ...
+    def settle(self, consumer: Consumer | None) -> CommitOutcome | None:
+        """The outcome of the commit under way, once it ends. `consumer`, when given, is the
+        one whose group generation a refused commit may be made again under (never for
+        partitions being lost)."""
+        ...
+
     def committing(self) -> bool:
         """True while the last commit is still under way (`settle` would wait for it)."""
         ...
@@ -272,6 +324,7 @@ class ExactlyOnce:
     # The changelog is read read_committed, and its records commit atomically with the offsets:
     # every visible snapshot reflects committed input, so a restore keeps them all.
     restore_skips_ahead_of_commit = False
+    keeps_records = True
 
     def __init__(
         self, transactional_id: str, deadline: Deadline, commit_timeout_s: float = COMMIT_TIMEOUT_S
@@ -288,6 +341,7 @@ class ExactlyOnce:
         self._abandoned: list[_ProducerCalls] = []
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detok-commit")
         self._in_flight: Future[CommitOutcome] | None = None
+        self._sent: _Sent | None = None  # what the transaction in flight holds
         self._lost: ProducerLost | None = None  # set by the committer thread, read by `settle`
 
     def producer_settings(self) -> dict[str, Any]:
@@ -311,19 +365,27 @@ class ExactlyOnce:
         log.warning("%s; the commit names the producer's error", failure)
 
     def commit(
-        self, consumer: Consumer, offsets: list[TopicPartition], decoded_tokens: int
+        self,
+        consumer: Consumer,
+        offsets: list[TopicPartition],
+        decoded_tokens: int,
+        records: list[ProducedRecord],
     ) -> CommitOutcome | None:
         metadata = consumer.consumer_group_metadata()
+        self._sent = _Sent(offsets, metadata, decoded_tokens, records)
         self._in_flight = self._committer.submit(self._commit, offsets, metadata, decoded_tokens)
         return None
 
-    def settle(self) -> CommitOutcome | None:
-        """Wait for the transaction on the committer thread; abort it, or replace the producer,
-        if it must be."""
+    def settle(self, consumer: Consumer | None) -> CommitOutcome | None:
+        """Wait for the transaction on the committer thread; commit it again under the group's
+        new generation, abort it, or replace the producer, if it must be."""
         if self._in_flight is None:
             return None
         future, self._in_flight = self._in_flight, None
+        sent, self._sent = self._sent, None
         outcome = future.result()  # a fatal error surfaces here, as it did when synchronous
+        if outcome.generation_moved and consumer is not None and sent is not None:
+            outcome = self._recommit(consumer, sent, outcome)
         lost, self._lost = self._lost, None
         if lost is not None:
             self._replace(lost)
@@ -419,6 +481,9 @@ class ExactlyOnce:
             self._retry_until_done(commit, "committing a transaction")
             self._begin()
         except _MustAbort as abort:
+            if abort.error.code() == KafkaError.ILLEGAL_GENERATION:
+                log.info("transaction refused: the group moved to a new generation")
+                return replace(rolled_back("abortable_error"), generation_moved=True)
             log.warning("transaction must abort (%s); rolling back", abort.error)
             return rolled_back("abortable_error")
         except ProducerLost as lost:
@@ -426,6 +491,49 @@ class ExactlyOnce:
             self._lost = lost
             return rolled_back("producer_replaced")
         return CommitOutcome(True, time.perf_counter() - started, time.time(), decoded_tokens)
+
+    def _recommit(self, consumer: Consumer, sent: _Sent, refused: CommitOutcome) -> CommitOutcome:
+        """Commit a transaction refused by a new generation again under it (see
+        RECOMMIT_ATTEMPTS): abort it, produce its records again in a new one, send its offsets
+        with the consumer's current group metadata, commit. `refused` (a rollback) if the
+        member changed, its new generation did not arrive in time, or refusals go on."""
+        metadata = sent.metadata
+        for attempt in range(1, RECOMMIT_ATTEMPTS + 1):
+            current = self._next_generation(consumer, metadata)
+            if current is None or self._lost is not None:
+                return refused
+            self.abort()  # a producer lost meanwhile is replaced: the records go to the new one
+            try:
+                for topic, value, kwargs in sent.records:
+                    produce(self.producer, topic, value, **kwargs)
+            except KafkaException as error:
+                log.warning("producing a refused transaction again failed: %s", error)
+                return refused
+            outcome = self._commit(sent.offsets, current, sent.decoded_tokens)
+            if not outcome.generation_moved:
+                log.info(
+                    "a transaction the group's new generation refused was committed again "
+                    "(%d records, attempt %d)",
+                    len(sent.records),
+                    attempt,
+                )
+                return replace(outcome, recommits=attempt)
+            metadata, refused = current, outcome
+        return refused
+
+    def _next_generation(self, consumer: Consumer, refused: bytes) -> bytes | None:
+        """This member's group metadata under a generation other than `refused`'s, once the
+        consumer has it; None if the member changed or it did not come in time."""
+        waited = _RetryWait(
+            "waiting for the group's new generation", RECOMMIT_WAIT_S, self.deadline
+        )
+        while True:
+            current: bytes = consumer.consumer_group_metadata()
+            if same_member_next_generation(refused, current):
+                return current
+            if current != refused or waited.spent():
+                return None
+            time.sleep(RECOMMIT_POLL_S)
 
     def _begin(self) -> None:
         """Open the next transaction (a local call, but on the producer's thread like all)."""
@@ -462,6 +570,16 @@ class ExactlyOnce:
                 if not error.retriable():
                     raise FatalWorkerError(f"{what} failed: {describe_error(error)}") from exception
                 wait.retry_after(error)
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A transaction handed to the committer: enough to commit it again (`_recommit`)."""
+
+    offsets: list[TopicPartition]
+    metadata: bytes  # the consumer's group metadata when it was committed
+    decoded_tokens: int
+    records: list[ProducedRecord]
 
 
 class _ProducerCalls:
@@ -550,6 +668,10 @@ class _RetryWait:
             time.sleep(self.deadline.remaining(self.pause))
             self.pause = min(self.pause * 2, MAX_RETRY_PAUSE_S)
 
+    def spent(self) -> bool:
+        """True once the budget or the shutdown deadline has run out."""
+        return self.deadline.remaining(self.budget_s - (time.monotonic() - self.started)) <= 0
+
     def done(self) -> None:
         if self.last is not None:
             log.info(
@@ -576,6 +698,7 @@ class AtLeastOnce:
     # A snapshot is produced before its offsets are committed; one whose offsets never committed
     # describes input that will be consumed again, so a restore skips it (Quix's rule).
     restore_skips_ahead_of_commit = True
+    keeps_records = False  # what was produced stays produced
 
     def __init__(self, deadline: Deadline, commit_timeout_s: float = COMMIT_TIMEOUT_S) -> None:
         self.deadline = deadline
@@ -595,7 +718,11 @@ class AtLeastOnce:
         raise failure
 
     def commit(
-        self, consumer: Consumer, offsets: list[TopicPartition], decoded_tokens: int
+        self,
+        consumer: Consumer,
+        offsets: list[TopicPartition],
+        decoded_tokens: int,
+        records: list[ProducedRecord],
     ) -> CommitOutcome | None:
         assert self.producer is not None
         started = time.perf_counter()
@@ -634,7 +761,7 @@ class AtLeastOnce:
             refused_offsets=refused,
         )
 
-    def settle(self) -> CommitOutcome | None:
+    def settle(self, consumer: Consumer | None) -> CommitOutcome | None:
         return None  # every commit finished before `commit` returned
 
     def committing(self) -> bool:

@@ -17,7 +17,13 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from pipeline.dead_letter_reasons import REASONS
 from pipeline.processor import DeadLetter
 from schemas.events import DeadLetterReason
-from workers.checkpointing import FatalWorkerError, Output, ProducerFailed, describe_error
+from workers.checkpointing import (
+    FatalWorkerError,
+    Output,
+    ProducedRecord,
+    ProducerFailed,
+    describe_error,
+)
 from workers.dead_letters import dead_letter_headers, dead_letter_key
 from workers.kafka_clients import produce
 from workers.output_limits import OutputLimits
@@ -60,6 +66,9 @@ class OutputWriter:
         self.metrics = metrics
         self.group = group
         self.instance_id = instance_id
+        # When a list: every record produced is added to it (the exactly-once strategy keeps
+        # a transaction's records to produce them again, workers/checkpointing.py).
+        self.produced: list[ProducedRecord] | None = None
 
     def dead_letter(self, letter: DeadLetter) -> Output:
         """The dead-letter record of `letter`: the original key, bytes, timestamp and headers,
@@ -88,6 +97,8 @@ class OutputWriter:
                 kwargs["partition"] = output.partition
             try:
                 produce(self.producer, output.topic, output.value, **kwargs)
+                if self.produced is not None:
+                    self.produced.append((output.topic, output.value, kwargs))
                 return
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
@@ -110,6 +121,10 @@ class OutputWriter:
         self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
         if self.limits.fits(self.topics.dead_letters, key, None, headers):
             produce(self.producer, self.topics.dead_letters, None, key=key, headers=headers)
+            if self.produced is not None:
+                self.produced.append(
+                    (self.topics.dead_letters, None, {"key": key, "headers": headers})
+                )
         else:
             log.error("a %s dead letter itself does not fit; counted only", letter.reason.value)
 

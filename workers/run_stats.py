@@ -46,6 +46,9 @@ class RunStats:
     # Generated tokens decoded since the last commit that took, when a commit failed or the
     # partitions were lost: the redone work behind an over-count of `generated_tokens`.
     redone_tokens: int = 0
+    # Transactions refused because the group's generation moved while they were on their way,
+    # and committed again unchanged under the new one (nothing redone; see RECOMMIT_ATTEMPTS).
+    recommitted_commits: int = 0
     rss_at_first_consume: int = 0
     # Where the loop's time went (seconds): in consume() calls that returned records, in
     # handling them (of which `process_s` inside the processor: parse-free decode work), and in
@@ -70,6 +73,7 @@ class RunStats:
                 "commits": self.commits,
                 "aborted_commits": self.aborted_commits,
                 "redone_tokens": self.redone_tokens,
+                "recommitted_commits": self.recommitted_commits,
                 "rss_at_first_consume": self.rss_at_first_consume,
                 "consume_s": round(self.consume_s, 3),
                 "handle_s": round(self.handle_s, 3),

@@ -532,17 +532,19 @@ class Worker:
         other caller (shutdown, a revoke) waits for the outcome.
         """
         started = time.perf_counter()
-        self._take(self.strategy.settle())  # may roll back, which replaces the checkpoint
+        self._take(self.strategy.settle(self.consumer))  # may roll back: a new checkpoint
         checkpoint = self.checkpoint
         if checkpoint.empty:
             checkpoint.started_at = time.monotonic()
             if not self.strategy.committing():
                 self.metrics.observe_caught_up()
             return
+        self.writer.produced = [] if self.strategy.keeps_records else None
         try:
             self._produce(checkpoint)
         except ProducerFailed as failure:
             self.strategy.producer_failed(failure)
+        records, self.writer.produced = self.writer.produced or [], None
         offsets = [
             TopicPartition(self.topics.input, partition, offset)
             for partition, offset in sorted(checkpoint.offsets.items())
@@ -550,10 +552,10 @@ class Worker:
         self.checkpoint = Checkpoint.fresh()
         self._committing = list(checkpoint.offsets)
         self.uncommitted = [p for p in self.uncommitted if p.isdisjoint(checkpoint.offsets)]
-        outcome = self.strategy.commit(self.consumer, offsets, checkpoint.decoded_tokens)
+        outcome = self.strategy.commit(self.consumer, offsets, checkpoint.decoded_tokens, records)
         self.stats.commit_s += time.perf_counter() - started
         if outcome is None and wait:
-            outcome = self.strategy.settle()
+            outcome = self.strategy.settle(self.consumer)
         self._take(outcome)
 
     def _produce(self, checkpoint: Checkpoint) -> None:
@@ -575,6 +577,7 @@ class Worker:
         """Account for a finished commit; roll back or re-offer what did not take."""
         if outcome is None:
             return
+        self.stats.recommitted_commits += outcome.recommits
         if outcome.committed:
             self.stats.commits += 1
             self.stats.last_commit_at = outcome.finished_at
@@ -701,7 +704,7 @@ class Worker:
         numbers = [tp.partition for tp in partitions]
         self.metrics.rebalances.labels(event="lost").inc()
         try:
-            self._take(self.strategy.settle())
+            self._take(self.strategy.settle(None))  # never committed again: no longer ours
             if self.strategy.abort():
                 self.metrics.observe_abort("partitions_lost")
         except (KafkaException, FatalWorkerError) as error:

@@ -61,9 +61,11 @@ class RecordingStrategy:
 
     guarantee = "at-least-once"
     restore_skips_ahead_of_commit = True
+    keeps_records = True  # to see what the worker hands over
 
     def __init__(self) -> None:
         self.offered: list[list[tuple[int, int]]] = []
+        self.records: list[list] = []
         self.refuse = True
 
     def producer_settings(self) -> dict:
@@ -76,14 +78,15 @@ class RecordingStrategy:
         raise failure
 
     def commit(
-        self, consumer: object, offsets: list[TopicPartition], decoded_tokens: int
+        self, consumer: object, offsets: list[TopicPartition], decoded_tokens: int, records: list
     ) -> CommitOutcome:
         sent = [(tp.partition, tp.offset) for tp in offsets]
         self.offered.append(sent)
+        self.records.append(records)
         refused = dict(sent) if self.refuse else {}
         return CommitOutcome(not refused, 0.0, 0.0, decoded_tokens, refused_offsets=refused)
 
-    def settle(self) -> None:
+    def settle(self, consumer: object) -> None:
         return None
 
     def committing(self) -> bool:
@@ -101,7 +104,7 @@ def test_at_least_once_reports_offsets_a_rebalance_refused() -> None:
     strategy.start(DeliveredProducer(), lambda cause: DeliveredProducer())
     consumer = RefusingConsumer()
     offsets = [TopicPartition("in", 0, 10), TopicPartition("in", 1, 20)]
-    outcome = strategy.commit(consumer, offsets, decoded_tokens=7)
+    outcome = strategy.commit(consumer, offsets, decoded_tokens=7, records=[])
     assert consumer.offered == [[(0, 10), (1, 20)]]
     assert not outcome.committed and not outcome.rollback
     assert outcome.refused_offsets == {0: 10, 1: 20}
@@ -205,6 +208,8 @@ class ScriptedProducer:
 
     def __init__(self, commit_error: KafkaError | None = None, wedge: bool = False) -> None:
         self.calls: list[str] = []
+        self.metadata: list[object] = []  # the group metadata each offsets call carried
+        self.offsets_errors: list[KafkaError] = []  # raised by the next offsets calls, in turn
         self.commit_error = commit_error
         self.wedge = wedge
         self.release = threading.Event()
@@ -217,6 +222,12 @@ class ScriptedProducer:
 
     def send_offsets_to_transaction(self, offsets: list, metadata: object, timeout: float) -> None:
         self.calls.append("offsets")
+        self.metadata.append(metadata)
+        if self.offsets_errors:
+            raise KafkaException(self.offsets_errors.pop(0))
+
+    def produce(self, topic: str, value: bytes | None, **kwargs: object) -> None:
+        self.calls.append(f"produce {value!r}")
 
     def commit_transaction(self, timeout: float) -> None:
         self.calls.append("commit")
@@ -230,9 +241,21 @@ class ScriptedProducer:
         self.calls.append("abort")
 
 
+def group_metadata(generation: int, member: bytes = b"member-1") -> bytes:
+    """librdkafka's serialised group metadata (see checkpointing.GROUP_METADATA_MAGIC)."""
+    return b"CGMDv2:" + generation.to_bytes(4, "little") + b"g\x00" + member + b"\x00\x01"
+
+
 class GroupConsumer:
-    def consumer_group_metadata(self) -> object:
-        return object()
+    """A group member whose metadata is each of `generations` in turn, then the last one."""
+
+    def __init__(self, *generations: bytes) -> None:
+        self.generations = list(generations) or [group_metadata(1)]
+
+    def consumer_group_metadata(self) -> bytes:
+        if len(self.generations) > 1:
+            return self.generations.pop(0)
+        return self.generations[0]
 
 
 class Renewals:
@@ -249,8 +272,10 @@ class Renewals:
 
 
 def commit_once(strategy: ExactlyOnce) -> CommitOutcome:
-    assert strategy.commit(GroupConsumer(), [TopicPartition("in", 0, 5)], decoded_tokens=3) is None
-    outcome = strategy.settle()
+    consumer = GroupConsumer()
+    offsets = [TopicPartition("in", 0, 5)]
+    assert strategy.commit(consumer, offsets, decoded_tokens=3, records=[]) is None
+    outcome = strategy.settle(consumer)
     assert outcome is not None
     return outcome
 
@@ -459,3 +484,85 @@ def test_a_rebalance_callback_is_followed_by_one_metadata_request_after_any_rest
         worker.consumer = real_consumer
     topic = worker.topics.input
     assert consumer.calls == [f"metadata of {topic}", "restore", f"metadata of {topic}"]
+
+
+def refused_by_a_new_generation() -> KafkaError:
+    """How librdkafka reports offsets the group refused as sent under an old generation."""
+    return KafkaError(KafkaError.ILLEGAL_GENERATION, txn_requires_abort=True)
+
+
+def test_a_transaction_refused_by_a_new_generation_is_committed_again_unchanged() -> None:
+    """Issue 15 item 5: in a cooperative rebalance the group's generation moves twice, and a
+    transaction on its way at either moment is refused (ILLEGAL_GENERATION). Rolling back redid
+    every partition's uncommitted work; instead the strategy aborts it, produces the same
+    records again, and commits them with the same offsets under the member's new generation."""
+    producer = ScriptedProducer()
+    producer.offsets_errors = [refused_by_a_new_generation()]
+    strategy = ExactlyOnce("detok-g-w0", Deadline())
+    strategy.start(producer, Renewals())
+    # The loop committed under generation 1; by the settle the consumer is in generation 2.
+    consumer = GroupConsumer(group_metadata(1), group_metadata(2))
+    records = [("out", b"delta", {"key": b"r1"}), ("log", b"snapshot", {"partition": 0})]
+    offsets = [TopicPartition("in", 0, 5)]
+    try:
+        assert strategy.commit(consumer, offsets, decoded_tokens=3, records=records) is None
+        outcome = strategy.settle(consumer)
+    finally:
+        strategy.close()
+    assert outcome is not None
+    assert outcome.committed and not outcome.rollback and outcome.recommits == 1
+    assert producer.calls == [
+        "init",
+        "begin",
+        "offsets",  # refused: the transaction must abort
+        "abort",
+        "begin",
+        "produce b'delta'",
+        "produce b'snapshot'",
+        "offsets",
+        "commit",
+        "begin",
+    ]
+    assert producer.metadata == [group_metadata(1), group_metadata(2)]
+
+
+def test_a_refused_transaction_rolls_back_when_the_member_changed_or_its_partitions_are_lost(
+    monkeypatch,
+) -> None:
+    """A member the group removed rejoins under a new member id, and its partitions may be
+    another member's by then: its refused transaction is rolled back (restore, re-consume), as
+    is one settled while the partitions are being lost (no consumer to commit under)."""
+    monkeypatch.setattr(checkpointing, "RECOMMIT_WAIT_S", 0.05)
+    for consumer in (
+        GroupConsumer(group_metadata(1), group_metadata(2, member=b"member-2")),
+        GroupConsumer(group_metadata(1)),  # the new generation never comes
+        None,  # lost partitions
+    ):
+        producer = ScriptedProducer()
+        producer.offsets_errors = [refused_by_a_new_generation()]
+        strategy = ExactlyOnce("detok-g-w0", Deadline())
+        strategy.start(producer, Renewals())
+        committer = consumer or GroupConsumer(group_metadata(1))
+        try:
+            strategy.commit(committer, [TopicPartition("in", 0, 5)], 3, [("out", b"x", {})])
+            outcome = strategy.settle(consumer)
+        finally:
+            strategy.close()
+        assert outcome is not None and outcome.rollback and outcome.recommits == 0
+        assert producer.calls == ["init", "begin", "offsets", "abort", "begin"]
+
+
+def test_the_worker_hands_each_commit_the_records_it_produced_for_it(worker) -> None:
+    """What a transaction refused by a new generation is committed again with: exactly the
+    records the writer produced for that checkpoint, and nothing once it is handed over."""
+    strategy = RecordingStrategy()
+    strategy.refuse = False
+    worker.strategy = strategy
+    worker.writer.producer = ScriptedProducer()
+    worker.checkpoint.offsets[0] = 1
+    worker.checkpoint.outputs.append(Output(worker.topics.completions, b"r1", b"done"))
+    worker.commit()
+    assert [(topic, value) for topic, value, _ in strategy.records[0]] == [
+        (worker.topics.completions, b"done")
+    ]
+    assert worker.writer.produced is None
