@@ -18,6 +18,8 @@ snapshots and re-consumes from the committed offsets. An abortable error does th
 the process (abort, restore, rewind), and so does a producer that became unusable (its
 sequence state lost, a call wedged in the client): the commit strategy replaces it with a new
 one under the same transactional id, which fences the old one and aborts its transaction. A
+transaction refused only because the group moved to a new generation (a rebalance) is instead
+committed again unchanged under the new one (workers/checkpointing.py, RECOMMIT_ATTEMPTS). A
 broker-level fatal error (fenced, not authorised, a broker gone past every bound) stops the
 worker with a non-zero exit and a message naming the cause, for the orchestrator to restart it.
 Every wait is bounded and ends on SIGTERM; once stopping, the worker is gone within
@@ -87,11 +89,14 @@ FETCH_MIN_BYTES = 100_000
 FETCH_WAIT_MAX_MS = 50
 # How soon a member learns that the group rebalances (a worker joined or left): in the classic
 # group protocol a member hears of it only in its next heartbeat's answer, and a cooperative
-# rebalance takes two rounds, each waiting for every member to notice. At a tenth of the 10 s
-# session timeout (1 s) each notice could take a second; 200 ms bounds it, for five small
-# requests a second per worker to the group coordinator. (librdkafka still sends a member's
-# JoinGroup at most once a second, so a joining worker's two rounds take about a second.)
-REBALANCE_NOTICE_MS = 200
+# rebalance takes two rounds, each waiting for every member to notice: the running members
+# notice the joining one, then the joining one notices the second round, which starts once the
+# others gave up its partitions. At a tenth of the 10 s session timeout (1 s) each notice could
+# take a second. At 200 ms a joining worker's partitions still came 0.3-0.5 s after its empty
+# first assignment, nearly all of it the second notice. 100 ms bounds each notice, for ten small
+# requests a second per worker to the group coordinator (a hundred workers: a thousand
+# heartbeats a second, each a lookup in the coordinator's memory).
+REBALANCE_NOTICE_MS = 100
 # Bounds the metadata request that follows a rebalance callback (`Worker._rejoin_promptly`): a
 # live broker answers in milliseconds; if none does, the loop goes on without it.
 REJOIN_METADATA_TIMEOUT_S = 1.0

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
+from tests.integration.conftest import consumer_config, poll_until, unique_name
 from tests.integration.worker_harness import (
     NewPipelineRun,
     make_generations,
@@ -16,6 +19,7 @@ from tests.integration.worker_harness import (
     wait_exit,
     wait_until,
 )
+from workers.checkpointing import same_member_next_generation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -59,3 +63,40 @@ def test_a_static_member_restarted_in_its_session_keeps_its_partitions_without_a
     during = steady_log.read_text()[len(before) :].split("signal 15")[0]
     assert "revoked partitions" not in during and "assigned partitions" not in during
     run.assert_exactly_once()
+
+
+def test_group_metadata_names_the_same_member_under_each_new_generation(
+    kafka_bootstrap: str, create_topic: Callable[..., str]
+) -> None:
+    """What the exactly-once strategy relies on to commit a transaction again after the group
+    refused it as sent under an old generation (workers/checkpointing.py, RECOMMIT_ATTEMPTS):
+    librdkafka's serialised group metadata of a member that stays in the group through a
+    rebalance differs from its earlier one in the generation alone, while a different member's
+    never passes as the same member."""
+    topic = create_topic("cgmd", partitions=2)
+    group = unique_name("cgmd")
+    config = {"partition.assignment.strategy": "cooperative-sticky"}
+    first = Consumer(consumer_config(kafka_bootstrap, group, **config))
+    second = Consumer(consumer_config(kafka_bootstrap, group, **config))
+    assigned: dict[str, int] = {"first": 0, "second": 0}
+
+    def counting(name: str) -> Callable[[Consumer, list[TopicPartition]], None]:
+        def on_assign(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            consumer.incremental_assign(partitions)
+            assigned[name] += len(partitions)
+
+        return on_assign
+
+    try:
+        first.subscribe([topic], on_assign=counting("first"))
+        poll_until([first], lambda: assigned["first"] == 2, lambda c, m: None)
+        before = first.consumer_group_metadata()
+        second.subscribe([topic], on_assign=counting("second"))
+        poll_until([first, second], lambda: assigned["second"] == 1, lambda c, m: None)
+        after = first.consumer_group_metadata()
+        assert same_member_next_generation(before, after)
+        assert not same_member_next_generation(before, second.consumer_group_metadata())
+        assert not same_member_next_generation(before, before)
+    finally:
+        first.close()
+        second.close()
