@@ -37,6 +37,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> TokenizerRegistry:
 
 def test_a_prompt_only_request_stays_within_its_budget(registry) -> None:
     processor = RequestProcessor(registry)
+    processor.warm_up()  # the tokenizer's decode tables are the model's, not any request's
     count = 2_000
     prompts = [
         (prompt(f"open-{n:06d}", f"Hello there {n}"), origin(n, timestamp_ms=1_000))
