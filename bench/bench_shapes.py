@@ -12,7 +12,8 @@ else on the local broker, with real tokenizers:
   long gens     16k-32k generated ids per request;
   backlog       N prompt-only requests never finished (default 200,000; `--open-requests
                 1000000`, alias `--backlog`): worker RSS per open request (slope between N/2
-                and N, fixed costs cancel), kill -9, then the successor's restore time (its log
+                and N, fixed costs cancel; with `--compare-with`, that tree's worker's too, on
+                topics of its own), kill -9, then the successor's restore time (its log
                 line), from its assignment to restored (its timeline) and from its start, its
                 RSS per restored request (above the same worker's RSS with none open) and the
                 load average then; then the successor idles with the N requests for
@@ -299,47 +300,25 @@ def backlog(
 ) -> dict[str, Any]:
     """`count` prompt-only requests: RSS per open request, restore after kill -9, sweep share.
 
-    With `compare`, that tree's worker restores the same changelog first (and is killed -9 in
-    turn), then this tree's: before and after, one changelog, one run, the same load.
+    With `compare`, that tree's worker first opens the same requests on topics of its own (its
+    RSS per live open request), then restores this tree's changelog (and is killed -9 in
+    turn), then this tree's does: before and after, one run, the same load.
     """
     prefix = f"shape-backlog-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
     ensure_topics(kafka.connection, names, PARTITIONS)
     group = f"{prefix}-group"
     command = worker_command(kafka, names, group, specs, "--instance-id", prefix)
-    log = logs / f"{prefix}-a.log"
-    worker = start(command, log)
-    prompts = base.records[:500]
-
-    def prompts_of(half: int) -> Iterator[tuple[str, bytes]]:
-        for position in range(count // 2):
-            record = prompts[position % len(prompts)]
-            request_id = f"open-{half}-{position}"
-            value = json.dumps(
-                {"type": "prompt", "request_id": request_id, "model": record["model"],
-                 "prompt_token_ids": record["prompt_token_ids"][:48]},
-                separators=(",", ":"),
-            ).encode()  # fmt: skip
-            yield request_id, value
-
-    try:
-        wait_for(lambda: "restored" in log.read_text(), "the backlog worker's assignment")
-        empty = vm_status(worker.pid)
-        rss = measure_open_requests(
-            kafka,
-            names.input,
-            group,
-            worker.pid,
-            (prompts_of(0), prompts_of(1)),
-            linger_ms=50,
-            settle_s=1.0,
-        )
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.wait(60)
     opened = count - count % 2
-    per_request = (rss[1]["VmRSS"] - rss[0]["VmRSS"]) / (count // 2)
-    changelog_bytes = sum(topic_bytes(kafka.connection, names.changelog).values())
+    live = {}
+    if compare is not None:
+        live[compare.label] = open_backlog(kafka, base, specs, count, logs, compare)
+    # The same group and instance id as the successors: each takes over the killed member's
+    # partitions and committed offsets at once.
+    empty, rss, changelog_bytes = open_backlog(
+        kafka, base, specs, count, logs, THIS_TREE, (names, group, command)
+    )
+    live[THIS_TREE.label] = (empty, rss, changelog_bytes)
     restores = {}
     if compare is not None:
         successor, restore = restore_after_kill(command, opened, logs / f"{prefix}-0.log", compare)
@@ -360,7 +339,10 @@ def backlog(
     lifetime = time.monotonic() - started
     return {
         "open_requests": opened,
-        "bytes_per_open_request": per_request,
+        "bytes_per_open_request": per_live_request(rss, count),
+        "bytes_per_open_request_by_tree": {
+            label: per_live_request(readings, count) for label, (_, readings, _) in live.items()
+        },
         "rss_full": rss[1]["VmRSS"],
         "changelog_bytes_per_request": changelog_bytes / opened,
         "restores": restores,
@@ -369,6 +351,67 @@ def backlog(
         "idle_s": lifetime,
         "sweep_share": (summary.get("expire_s") or 0.0) / lifetime,
     }
+
+
+def open_backlog(
+    kafka: Kafka,
+    base: Workload,
+    specs: list[str],
+    count: int,
+    logs: Path,
+    tree: Tree,
+    worker_on: tuple[Any, str, list[str]] | None = None,
+) -> tuple[dict[str, int], list[dict[str, int]], int]:
+    """A `tree` worker opens `count` prompt-only requests in two halves and is killed -9: its
+    RSS with none open, at each half, and the changelog bytes it wrote. `worker_on`: the
+    topics, group and command of a backlog kept for a restore; else topics of its own, dropped
+    after."""
+    prefix = f"shape-open-{tree.label}-{uuid.uuid4().hex[:8]}"
+    if worker_on is None:
+        names, group = topics(prefix), f"{prefix}-group"
+        ensure_topics(kafka.connection, names, PARTITIONS)
+        command = worker_command(kafka, names, group, specs, "--instance-id", prefix)
+    else:
+        names, group, command = worker_on
+    log = logs / f"{prefix}.log"
+    worker = start(command, log, tree=tree)
+    prompts = base.records[:500]
+
+    def prompts_of(half: int) -> Iterator[tuple[str, bytes]]:
+        for position in range(count // 2):
+            record = prompts[position % len(prompts)]
+            request_id = f"open-{half}-{position}"
+            value = json.dumps(
+                {"type": "prompt", "request_id": request_id, "model": record["model"],
+                 "prompt_token_ids": record["prompt_token_ids"][:48]},
+                separators=(",", ":"),
+            ).encode()  # fmt: skip
+            yield request_id, value
+
+    try:
+        wait_for(lambda: "restored" in log.read_text(), f"the {tree.label} backlog worker")
+        empty = vm_status(worker.pid)
+        rss = measure_open_requests(
+            kafka,
+            names.input,
+            group,
+            worker.pid,
+            (prompts_of(0), prompts_of(1)),
+            linger_ms=50,
+            settle_s=1.0,
+        )
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(60)
+    changelog_bytes = sum(topic_bytes(kafka.connection, names.changelog).values())
+    if worker_on is None:
+        drop_topics(kafka.connection, names)
+    return empty, rss, changelog_bytes
+
+
+def per_live_request(rss: list[dict[str, int]], count: int) -> float:
+    """RSS per live open request: the slope between the two halves (fixed costs cancel)."""
+    return (rss[1]["VmRSS"] - rss[0]["VmRSS"]) / (count // 2)
 
 
 def restore_after_kill(
@@ -529,9 +572,14 @@ def print_table(report: dict[str, Any]) -> None:
     backlog_report = report.get("backlog")
     if backlog_report:
         b = backlog_report
+        by_tree = ", ".join(
+            f"{label} {value:,.0f} B"
+            for label, value in b["bytes_per_open_request_by_tree"].items()
+        )
         print(
             f"\nbacklog of {b['open_requests']:,} open requests: "
-            f"{b['bytes_per_open_request']:,.0f} B RSS each while live (target <= 1024), "
+            f"{b['bytes_per_open_request']:,.0f} B RSS each while live ({by_tree}; "
+            f"target <= 1024), "
             f"changelog {b['changelog_bytes_per_request']:,.0f} B each; TTL sweeps "
             f"{b['sweep_s']} s of {b['idle_s']:.0f} s ({100 * b['sweep_share']:.2f}%; target < 5%)"
         )

@@ -147,7 +147,7 @@ class ByteLevelStream(ReferenceStream):
                 self.ids = []
             if self.held and text:
                 text = "".join(self.held) + text
-                self.held = []
+                self.held = ()
             return text
         return self._hold_bytes(chunk, raw)
 
@@ -192,7 +192,7 @@ class ByteLevelStream(ReferenceStream):
                 continue
             if self.held:
                 text = "".join(self.held) + text
-                self.held = []
+                self.held = ()
             self.ids = chunk[k:]
             if len(self.ids) > COMPACT_ABOVE:
                 self._cut_settled(raw[end:])
@@ -215,7 +215,7 @@ class ByteLevelStream(ReferenceStream):
             return
         cut = last_restart(raw)
         if cut:
-            self.held.append(raw[:cut].decode("utf-8", "replace"))
+            self.hold(raw[:cut].decode("utf-8", "replace"))
         self.ids = [byte_ids[b] for b in raw[cut:]]
 
     def _compact(self) -> None:
@@ -240,7 +240,7 @@ class ByteLevelStream(ReferenceStream):
         if utf8_len(head) < prefix_len:
             return
         held = slice_from_byte(head, prefix_len)
-        self.held = [held] if held else []
+        self.held = [held] if held else ()
         self.ids = [self.byte_ids[b] for b in raw[cut:]]
         self.prefix = ""
         self.prefix_index = 0

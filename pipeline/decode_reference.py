@@ -142,7 +142,7 @@ class ReferenceStream(DecodeStream):
         self.prefix = ""
         self.prefix_index = 0
         self.started = True
-        self.held = []
+        self.held = ()
         return tail
 
     # ----------------------------------------------------------------- decoding plumbing
@@ -278,7 +278,7 @@ class ReferenceStream(DecodeStream):
     ) -> None:
         known = self.known
         size = len(known)
-        self.filtered_ids = [t for t in source if not (t < size and known[t])]
+        self.filtered_ids = [t for t in source if not (t < size and known[t])] or ()
         self.ids = context
         self.prefix = prefix
         self.prefix_index = prefix_index
@@ -346,7 +346,7 @@ class ReferenceStream(DecodeStream):
         self.prefix_index = end - old
         if self.held:
             new = "".join(self.held) + new
-            self.held = []
+            self.held = ()
         self._settle()
         return new
 

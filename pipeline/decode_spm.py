@@ -152,7 +152,7 @@ class SpmByteFallbackStream(ReferenceStream):
             return
         held = slice_from_byte(head, prefix_len)
         if held:
-            self.held.append(held)
+            self.hold(held)
         self.ids = [dead]
         self.prefix = ""
         self.prefix_index = 0

@@ -136,7 +136,8 @@ class DecodeStream(DecodeState):
         Reported once a token was pushed, as when seeding ran at the first push: a request that
         generates nothing never read its prompt, upstream, so it reports nothing.
         """
-        return self.filtered_ids if self.started else []
+        filtered = self.filtered_ids
+        return filtered if self.started and filtered else []  # a non-empty one is a list
 
     @classmethod
     def from_snapshot(cls, tokenizer: Tokenizer, data: Any) -> DecodeStream:

@@ -236,8 +236,7 @@ class RequestProcessor:
             )
             return
         if seq > next_seq:
-            held[seq] = HeldEvent(event, origin)
-            state.held_bytes += len(origin.value)
+            held = state.hold(seq, HeldEvent(event, origin))
             if len(held) > MAX_HELD_EVENTS or (
                 self.max_held_bytes is not None and state.held_bytes > self.max_held_bytes
             ):
@@ -296,7 +295,7 @@ class RequestProcessor:
             unknown_generated_ids=self.unknown_generated_ids,
         )
         self.requests[request_id] = ActiveRequest(
-            model=event.model,
+            model=model.name,  # the registry's string: one per model, not one per request
             stream=stream,
             prompt_tokens=_prompt_tokens(event),
             last_event_at=at,
@@ -575,6 +574,7 @@ class RequestProcessor:
         self, state: ActiveRequest, events: Sequence[HeldEvent], pushed: int, texts: list[str]
     ) -> None:
         """Append the logprob columns of the first `pushed` ids of the chunk."""
+        state.own_columns()
         taken = 0
         for held in events:
             event = held.event
@@ -612,8 +612,12 @@ class RequestProcessor:
             return []
         state.lp_sent = last
         entries = self._entries(state, first, last, cut)
-        if len(state.lp_built) == first:  # kept for the completion (not after a restore)
-            state.lp_built += entries
+        built = state.lp_built
+        if len(built) == first:  # kept for the completion (not after a restore)
+            if built:
+                built += entries  # type: ignore[operator]  # a non-empty one is a list
+            else:
+                state.lp_built = list(entries)  # its own: the delta carries `entries`
         return entries
 
     def _entries(self, state: ActiveRequest, first: int, last: int, cut: int) -> list[TokenLogprob]:
@@ -682,7 +686,7 @@ class RequestProcessor:
             return
         state.generated_tokens += completing
         result.decoded_tokens += completing
-        state.text_parts[:] = [whole] if whole else []
+        state.text_parts = [whole] if whole else ()
         state.text_chars = cut
         state.text_size = json_size(whole)
         state.stop_held = ""
@@ -849,7 +853,7 @@ class RequestProcessor:
         if isinstance(state, ActiveRequest):
             held = state.held.get(event.seq)
             if held is not None and held.event is event:
-                del state.held[event.seq]
+                del state.held[event.seq]  # type: ignore[attr-defined]  # holds one: a dict
             self._end_failed(
                 request_id, state, DeadLetterReason.UNEXPECTED_ERROR, _describe(error), result
             )
@@ -946,8 +950,7 @@ class RequestProcessor:
             # Events already held past a stop are events after it, like those still to come.
             for seq in sorted(state.held):
                 self._after_stop(request_id, marker, state.held[seq].event, result)
-            state.held.clear()
-            state.held_bytes = 0
+            state.release_held()
         reason = (
             DeadLetterReason.EVENT_AFTER_FINISH
             if isinstance(marker, FinishedRequest)
@@ -1124,8 +1127,7 @@ class RequestProcessor:
         """Dead-letter every event the request holds, in seq order, and let go of them."""
         held = state.held
         self._dead_letter_all(result, reason, (held[seq] for seq in sorted(held)), message)
-        held.clear()
-        state.held_bytes = 0
+        state.release_held()
 
     # -- snapshots ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import binascii
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Annotated, Any, cast
 
 import msgspec
@@ -144,13 +145,20 @@ class _ActiveFields(msgspec.Struct, kw_only=True):
     stop_held: str = ""
     # Logprob columns, one entry per generated id (`pipeline.logprobs`). `logprobs` is None
     # until a tokens event is decoded, then whether the request's events carry logprobs.
+    # Each column is the shared empty tuple until the request's first entry (`own_columns`):
+    # see 'Memory' in `ActiveRequest`. A snapshot writes and reads them as JSON arrays.
     logprobs: bool | None = None
-    lp_ids: list[int] = []
-    lp_values: list[float] = []
-    lp_tops: list[list[tuple[int, float]]] = []
-    lp_offsets: list[Count] = []  # characters of text before each token's text
+    lp_ids: list[int] = ()  # type: ignore[assignment]
+    lp_values: list[float] = ()  # type: ignore[assignment]
+    lp_tops: list[list[tuple[int, float]]] = ()  # type: ignore[assignment]
+    lp_offsets: list[Count] = ()  # type: ignore[assignment]  # text characters before each token
     lp_sent: Count = 0  # entries already carried by deltas
     text_segments: Count = 0  # text segment records in the changelog (incremental changelog)
+
+
+# The held events of a request that holds none: shared and read-only, so that an insertion
+# into it fails loudly instead of leaking into every other request (see `ActiveRequest.hold`).
+NO_HELD: Mapping[int, HeldEvent] = MappingProxyType({})
 
 
 class ActiveRequest(_ActiveFields, kw_only=True):
@@ -159,25 +167,54 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     The text is kept as parts with running counts: `str +=` on an attribute copies the whole
     text every time (only a local's string can grow in place), which made a long generation
     quadratic. It is joined only for a completion or a snapshot.
+
+    Memory: a worker may hold a million open requests, most of them only a prompt (issue 15:
+    at most 1 KB each). So the containers a request may never use (its text parts, held
+    events, logprob columns and entries) start as shared empty ones (`()`, `NO_HELD`) and a
+    request gets its own on first use: seven empty lists and a dict were 400 of the 1,350
+    bytes of such a request, and as many objects for the garbage collector to walk.
     """
 
     stream: DecodeStream
-    text_parts: list[str] = []
+    text_parts: list[str] | tuple[()] = ()
     text_chars: int = 0  # characters: a delta's `text_offset`
     text_size: int = 0  # bytes the text takes in a JSON record: what `max_text_bytes` bounds
-    held: dict[int, HeldEvent] = {}
+    held: Mapping[int, HeldEvent] = NO_HELD  # a dict of its own once it holds one (`hold`)
     held_bytes: int = 0  # the size of the held events' records, bounded by `max_held_bytes`
     # Logprob entries deltas carried, kept for the completion; not snapshotted (a restored
     # request rebuilds them from its columns).
-    lp_built: list[Any] = []  # `TokenLogprob`s
+    lp_built: list[Any] | tuple[()] = ()  # `TokenLogprob`s
     stop_matcher: Any = None  # `stop_strings.StopMatcher` of `stop`, found on first use
     logged_parts: int = 0  # leading `text_parts` already written as changelog segments
+
+    def hold(self, seq: int, event: HeldEvent) -> dict[int, HeldEvent]:
+        """Hold an event that came before `seq - 1`; the request's own held events."""
+        held = self.held
+        if type(held) is not dict:
+            held = self.held = {}
+        held[seq] = event
+        self.held_bytes += len(event.origin.value)
+        return held
+
+    def release_held(self) -> None:
+        """Let go of every held event (they were dead-lettered or consumed)."""
+        self.held = NO_HELD
+        self.held_bytes = 0
+
+    def own_columns(self) -> None:
+        """Give the request its own logprob columns, before their first entry."""
+        if type(self.lp_offsets) is tuple:
+            self.lp_ids, self.lp_values, self.lp_tops, self.lp_offsets = [], [], [], []
 
     def add_text(self, text: str, size: int | None = None) -> None:
         """Append `text`; `size` is its `json_size` when the caller has it already."""
         if not text:
             return
-        self.text_parts.append(text)
+        parts = self.text_parts
+        if parts:
+            parts.append(text)  # type: ignore[union-attr]  # a non-empty one is a list
+        else:
+            self.text_parts = [text]
         self.text_chars += len(text)
         self.text_size += json_size(text) if size is None else size
 
@@ -423,11 +460,11 @@ def _active_request(
     return ActiveRequest(
         **_active_fields(record),
         stream=stream,
-        text_parts=[p for p in (logged, record.text) if p],
+        text_parts=[p for p in (logged, record.text) if p] or (),
         logged_parts=1 if logged else 0,
         text_chars=len(text),
         text_size=json_size(text),
-        held={held.event.seq: held for held in held},
+        held={held.event.seq: held for held in held} if held else NO_HELD,
         held_bytes=sum(len(h.origin.value) for h in held),
     )
 
