@@ -704,7 +704,15 @@ def _paced_produce(
         due = min(len(events), int((time.time() - started) * events_per_s) + 1)
         while index < due:
             key, value, _ = events[index]
-            producer.produce(topic, value, key)
+            try:
+                producer.produce(topic, value, key)
+            except BufferError:
+                # The client's queue is full (100k records: a full run's join phase, with the
+                # broker slowed by the rebalance and one request in flight): wait for deliveries
+                # instead of failing the run. Times are taken at produce, so the wait is not
+                # counted as the worker's delay; the pace catches up after it.
+                producer.poll(PACE_TICK_S)
+                continue
             produced_at[index] = time.time()
             index += 1
         producer.poll(0)
