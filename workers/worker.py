@@ -799,6 +799,7 @@ class Worker:
                 self.topics.changelog,
                 partitions,
                 lambda: self.stop.requested,
+                committed_input,
             )
         except RestoreInterrupted as interrupted:
             log.info("%s; leaving them unrestored", interrupted)
