@@ -97,6 +97,15 @@ FETCH_WAIT_MAX_MS = 50
 # requests a second per worker to the group coordinator (a hundred workers: a thousand
 # heartbeats a second, each a lookup in the coordinator's memory).
 REBALANCE_NOTICE_MS = 100
+# The heartbeat interval is a floor, not a schedule: librdkafka sends a heartbeat only when its
+# main thread wakes, and that thread sleeps until its next timer or queued operation, up to a
+# second. A member with no partitions (a joining worker between the two rounds) has nothing that
+# wakes it: its heartbeats came 400-500 ms apart, and it noticed the second round that long
+# after the others had started it (its librdkafka debug log: sync at t, next heartbeat at
+# t + 0.50 s, "rebalance in progress"). So the loop wakes that thread once per notice interval
+# with the cheapest request it serves (reading the assignment: ~20 us), and each heartbeat goes
+# out when due. Ten a second per worker.
+GROUP_THREAD_WAKE_S = REBALANCE_NOTICE_MS / 1000
 # Bounds the metadata request that follows a rebalance callback (`Worker._rejoin_promptly`): a
 # live broker answers in milliseconds; if none does, the loop goes on without it.
 REJOIN_METADATA_TIMEOUT_S = 1.0
@@ -159,6 +168,7 @@ class Worker:
         # commit that does is not made to wait for the commit interval (`_commit_due_in`).
         self.uncommitted: list[set[int]] = []
         self._rebalanced = False  # a rebalance callback ran since the last step (see there)
+        self._group_thread_woken_at = 0.0  # monotonic; see GROUP_THREAD_WAKE_S
         self.joined = False  # the group has assigned this member something (maybe nothing)
         self.restoring: set[int] = set()
         self.at_end: set[int] = set()
@@ -339,6 +349,7 @@ class Worker:
         if due_in <= 0 and self.strategy.committing():
             due_in = SETTLE_POLL_S  # not 0: that would spin until the transaction ends
         wait = CONSUME_WAIT_S if self.assigned else UNASSIGNED_WAIT_S
+        self._wake_group_thread()
         consume_started = time.perf_counter()
         messages = self.consumer.consume(self.settings.max_batch, min(wait, max(due_in, 0.0)))
         if self.restoring:
@@ -362,6 +373,15 @@ class Worker:
         if self._idle_long_enough():
             log.info("every assigned partition is at its end and idle; stopping")
             self.running = False
+
+    def _wake_group_thread(self) -> None:
+        """Let librdkafka's main thread send a heartbeat that is due (see GROUP_THREAD_WAKE_S):
+        reading the assignment is an operation that thread serves, and after serving one it
+        runs the group's housekeeping, heartbeats included."""
+        now = time.monotonic()
+        if now - self._group_thread_woken_at >= GROUP_THREAD_WAKE_S:
+            self._group_thread_woken_at = now
+            self.consumer.assignment()
 
     def _rejoin_promptly(self) -> None:
         """After a rebalance callback, let this member join the group's next round at once.

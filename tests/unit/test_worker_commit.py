@@ -35,7 +35,7 @@ from workers.output_limits import OutputLimits
 from workers.output_writer import OutputWriter
 from workers.prometheus import PrometheusMetrics
 from workers.topic_names import TopicNames
-from workers.worker import Worker
+from workers.worker import GROUP_THREAD_WAKE_S, Worker
 
 
 class RefusingConsumer:
@@ -394,6 +394,11 @@ class ScriptedConsumer:
         self.answers = answers
         self.timeouts: list[float] = []
         self.calls: list[str] = []  # what the worker asked of it, in order, beside consume
+        self.assignment_reads = 0  # each one wakes librdkafka's main thread (heartbeats)
+
+    def assignment(self) -> list[TopicPartition]:
+        self.assignment_reads += 1
+        return []
 
     def consume(self, num_messages: int, timeout: float) -> list:
         self.timeouts.append(timeout)
@@ -484,6 +489,28 @@ def test_a_rebalance_callback_is_followed_by_one_metadata_request_after_any_rest
         worker.consumer = real_consumer
     topic = worker.topics.input
     assert consumer.calls == [f"metadata of {topic}", "restore", f"metadata of {topic}"]
+
+
+def test_the_loop_wakes_the_group_thread_once_per_notice_interval(worker, monkeypatch) -> None:
+    """librdkafka heartbeats only when its main thread wakes, and an unassigned member's slept
+    up to half a second, so it noticed a rebalance's second round late. The loop reads the
+    assignment (a request that thread serves) once per REBALANCE_NOTICE_MS, however many
+    steps run in between, assigned or not."""
+    clock = [1000.0]
+    monkeypatch.setattr("workers.worker.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear())
+    consumer = ScriptedConsumer(worker, [[] for _ in range(6)])
+    real_consumer, worker.consumer = worker.consumer, consumer
+    try:
+        for _ in range(3):
+            worker._step()
+        assert consumer.assignment_reads == 1, "steps within one interval wake it once"
+        clock[0] += GROUP_THREAD_WAKE_S
+        for _ in range(3):
+            worker._step()
+        assert consumer.assignment_reads == 2, "the next interval wakes it again"
+    finally:
+        worker.consumer = real_consumer
 
 
 def refused_by_a_new_generation() -> KafkaError:
