@@ -61,6 +61,15 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
 
 
 GPT2_CHAR_TO_BYTE = _gpt2_unicode_to_byte()
+# The same table for `str.translate`: each GPT-2 char becomes the Latin-1 char of its byte, and
+# every other char below 256 becomes U+FFFF, so the Latin-1 encoding that follows fails exactly
+# when some char is outside the table (chars from U+0100 up that the table lacks stay as they
+# are, and fail it too). Both steps run in C: a worker's start walked Qwen's 151k tokens in
+# ~0.45 s char by char in Python, this way in a tenth of that.
+_GPT2_TRANSLATION = {
+    **{code: "\uffff" for code in range(256)},
+    **{ord(c): chr(b) for c, b in GPT2_CHAR_TO_BYTE.items()},
+}
 
 
 def byte_level_token_bytes(token: str) -> bytes:
@@ -70,8 +79,8 @@ def byte_level_token_bytes(token: str) -> bytes:
     used instead (that is how added tokens such as `<think>` written in plain text survive).
     """
     try:
-        return bytes(GPT2_CHAR_TO_BYTE[c] for c in token)
-    except KeyError:
+        return token.translate(_GPT2_TRANSLATION).encode("latin-1")
+    except UnicodeEncodeError:
         return token.encode("utf-8")
 
 
