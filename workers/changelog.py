@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 
 from pipeline.processor import DeadLetter
 from pipeline.request_state import SEGMENT_SEPARATOR, split_changelog_key
@@ -46,6 +53,11 @@ RESTORE_BATCH = 10_000
 STALL_LOG_INTERVAL_S = 10.0
 # Bounds the one metadata lookup before reading (it saves librdkafka's own slower schedule).
 METADATA_TIMEOUT_S = 10.0
+
+
+# How long one lookup of the group's committed offsets waits for a pending transaction before
+# the restore logs that it still waits and asks again (see `settled_commits`).
+SETTLE_LOOKUP_TIMEOUT_S = 5.0
 
 
 class RestoreInterrupted(Exception):
@@ -91,6 +103,42 @@ class Restored:
     owners: dict[str, int] = field(default_factory=dict)  # request id -> partition
     failed: list[DeadLetter] = field(default_factory=list)
     records: int = 0
+
+
+def settled_commits(
+    consumer: Consumer,
+    topic: str,
+    partitions: Iterable[int],
+    should_stop: Callable[[], bool],
+    lookup_timeout_s: float = SETTLE_LOOKUP_TIMEOUT_S,
+) -> dict[int, int]:
+    """The group's committed offsets of `topic`'s `partitions`, once no transaction holds any of
+    them pending; asked of the group's own read_committed consumer before the changelog is read.
+
+    The previous owner's last transaction carries its final snapshots and its offsets together,
+    and `commit_transaction` returns before the commit markers are written to each partition:
+    a restore that read the changelog to its end (the last stable offset) in between missed
+    those snapshots, while the input fetch, which waits for stable offsets, started after them.
+    A joining worker then dead-lettered its requests' next events as `missing_prompt` (a
+    `bench_e2e` join run: 431 events of 36 requests, so it became observable once the second
+    round of a join came in 0.13 s). A read_committed consumer's lookup asks for stable offsets
+    (librdkafka retries while the broker answers UNSTABLE_OFFSET_COMMIT), and the broker settles
+    a transaction's offsets after appending its markers, so once they settle the snapshots of
+    the same transaction can be read. Waiting costs nothing the input would not wait for anyway.
+    """
+    wanted = [TopicPartition(topic, p) for p in sorted(partitions)]
+    while True:
+        try:
+            return {tp.partition: tp.offset for tp in consumer.committed(wanted, lookup_timeout_s)}
+        except KafkaException as exception:
+            if exception.args[0].code() != KafkaError._TIMED_OUT:
+                raise
+        if should_stop():
+            raise RestoreInterrupted(f"stopped while waiting for the commits of {topic} {wanted}")
+        log.warning(
+            "restore of partitions %s waits for a transaction of their previous owner to settle",
+            sorted(partitions),
+        )
 
 
 def read_latest(

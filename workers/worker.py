@@ -46,7 +46,13 @@ from confluent_kafka import (
 from pipeline.processor import BatchResult, DeadLetter, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, dump_json
-from workers.changelog import RestoreInterrupted, apply_latest, changelog_record, read_latest
+from workers.changelog import (
+    RestoreInterrupted,
+    apply_latest,
+    changelog_record,
+    read_latest,
+    settled_commits,
+)
 from workers.checkpointing import (
     Checkpoint,
     CommitOutcome,
@@ -809,10 +815,11 @@ class Worker:
         cpu_started = time.process_time()  # beside the wall time: a loaded host's share of it
         partitions = sorted(self.restoring)
         self.timeline.mark_partitions("restore started", partitions)
-        committed_input = None
-        if self.strategy.restore_skips_ahead_of_commit:
-            committed_input = {tp.partition: tp.offset for tp in self._committed(partitions)}
         try:
+            committed = settled_commits(
+                self.consumer, self.topics.input, partitions, lambda: self.stop.requested
+            )
+            committed_input = committed if self.strategy.restore_skips_ahead_of_commit else None
             latest = read_latest(
                 self.connection,
                 self.settings.group,

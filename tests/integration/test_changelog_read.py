@@ -1,4 +1,4 @@
-"""What a restore reads from a real changelog topic (`workers.changelog.read_latest`).
+"""What a restore reads from a real changelog topic (`workers.changelog`), and when.
 
 Under at-least-once a snapshot is produced before its input offsets commit, so a kill -9 can
 leave a request's newest snapshot ahead of the commit. The restore must then take the snapshot
@@ -9,11 +9,11 @@ kill -9 test in test_worker_at_least_once.py met this now and then, as missing c
 from __future__ import annotations
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests.integration.conftest import unique_name
 from tests.integration.worker_harness import pipeline_topics
-from workers.changelog import PROCESSED_OFFSET_HEADER, read_latest
+from workers.changelog import PROCESSED_OFFSET_HEADER, read_latest, settled_commits
 from workers.kafka_clients import KafkaConnection
 
 pytestmark = pytest.mark.integration
@@ -61,3 +61,46 @@ def test_a_snapshot_ahead_of_the_commit_gives_way_to_the_one_before_it(
         b"new": b"new@12",
         b"damaged": b"damaged@?",
     }
+
+
+def test_the_restore_waits_for_the_previous_owners_last_transaction(kafka_bootstrap: str) -> None:
+    """The previous owner's last transaction holds its final snapshot and its offsets; a new
+    owner must not read the changelog before that transaction settles, or it restores without
+    the snapshot while its input starts after it (a join run dead-lettered 431 events so)."""
+    names = pipeline_topics(kafka_bootstrap, partitions=1)
+    group = unique_name("g")
+    member = Consumer(
+        {
+            "bootstrap.servers": kafka_bootstrap,
+            "group.id": group,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    previous_owner = Producer(
+        {"bootstrap.servers": kafka_bootstrap, "transactional.id": unique_name("owner")}
+    )
+    previous_owner.init_transactions(30)
+    previous_owner.begin_transaction()
+    previous_owner.produce(
+        names.changelog, b"last@41", b"req", partition=0, headers=[(PROCESSED_OFFSET_HEADER, b"41")]
+    )
+    previous_owner.send_offsets_to_transaction(
+        [TopicPartition(names.input, 0, 42)], member.consumer_group_metadata(), 30
+    )
+    previous_owner.flush(30)
+    waits: list[bool] = []
+
+    def should_stop() -> bool:  # asked after each lookup that timed out on the pending offsets
+        waits.append(True)
+        if len(waits) == 2:
+            previous_owner.commit_transaction(30)
+        return False
+
+    try:
+        committed = settled_commits(member, names.input, [0], should_stop, lookup_timeout_s=0.5)
+    finally:
+        member.close()
+    assert waits, "the lookup waited while the transaction was open"
+    assert committed == {0: 42}
+    assert _read(kafka_bootstrap, names.changelog, None) == {b"req": b"last@41"}
