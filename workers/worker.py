@@ -108,9 +108,10 @@ REBALANCE_NOTICE_MS = 100
 # second. A member with no partitions (a joining worker between the two rounds) has nothing that
 # wakes it: its heartbeats came 400-500 ms apart, and it noticed the second round that long
 # after the others had started it (its librdkafka debug log: sync at t, next heartbeat at
-# t + 0.50 s, "rebalance in progress"). So the loop wakes that thread once per notice interval
-# with the cheapest request it serves (reading the assignment: ~20 us), and each heartbeat goes
-# out when due. Ten a second per worker.
+# t + 0.50 s, "rebalance in progress"). So while it has no partitions the loop wakes that thread
+# once per notice interval with the cheapest request it serves (reading the assignment: ~20 us),
+# and each heartbeat goes out when due. A member with partitions is woken by its own fetches
+# (its heartbeats came 100-225 ms apart), and its loop, the latency path, makes no such call.
 GROUP_THREAD_WAKE_S = REBALANCE_NOTICE_MS / 1000
 # Bounds the metadata request that follows a rebalance callback (`Worker._rejoin_promptly`): a
 # live broker answers in milliseconds; if none does, the loop goes on without it.
@@ -355,7 +356,8 @@ class Worker:
         if due_in <= 0 and self.strategy.committing():
             due_in = SETTLE_POLL_S  # not 0: that would spin until the transaction ends
         wait = CONSUME_WAIT_S if self.assigned else UNASSIGNED_WAIT_S
-        self._wake_group_thread()
+        if not self.assigned:
+            self._wake_group_thread()
         consume_started = time.perf_counter()
         messages = self.consumer.consume(self.settings.max_batch, min(wait, max(due_in, 0.0)))
         if self.restoring:

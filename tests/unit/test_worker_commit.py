@@ -491,15 +491,17 @@ def test_a_rebalance_callback_is_followed_by_one_metadata_request_after_any_rest
     assert consumer.calls == [f"metadata of {topic}", "restore", f"metadata of {topic}"]
 
 
-def test_the_loop_wakes_the_group_thread_once_per_notice_interval(worker, monkeypatch) -> None:
+def test_an_unassigned_loop_wakes_the_group_thread_once_per_notice_interval(
+    worker, monkeypatch
+) -> None:
     """librdkafka heartbeats only when its main thread wakes, and an unassigned member's slept
-    up to half a second, so it noticed a rebalance's second round late. The loop reads the
-    assignment (a request that thread serves) once per REBALANCE_NOTICE_MS, however many
-    steps run in between, assigned or not."""
+    up to half a second, so it noticed a rebalance's second round late. While unassigned the
+    loop reads the assignment (a request that thread serves) once per REBALANCE_NOTICE_MS,
+    however many steps run in between; with partitions it makes no such call."""
     clock = [1000.0]
     monkeypatch.setattr("workers.worker.time.monotonic", lambda: clock[0])
     monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear())
-    consumer = ScriptedConsumer(worker, [[] for _ in range(6)])
+    consumer = ScriptedConsumer(worker, [[] for _ in range(7)])
     real_consumer, worker.consumer = worker.consumer, consumer
     try:
         for _ in range(3):
@@ -509,6 +511,10 @@ def test_the_loop_wakes_the_group_thread_once_per_notice_interval(worker, monkey
         for _ in range(3):
             worker._step()
         assert consumer.assignment_reads == 2, "the next interval wakes it again"
+        worker.assigned.add(0)
+        clock[0] += GROUP_THREAD_WAKE_S
+        worker._step()
+        assert consumer.assignment_reads == 2, "a member with partitions is not woken"
     finally:
         worker.consumer = real_consumer
 
