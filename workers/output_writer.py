@@ -96,9 +96,7 @@ class OutputWriter:
             if output.partition is not None:
                 kwargs["partition"] = output.partition
             try:
-                produce(self.producer, output.topic, output.value, **kwargs)
-                if self.produced is not None:
-                    self.produced.append((output.topic, output.value, kwargs))
+                self._produce(output.topic, output.value, kwargs)
                 return
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
@@ -120,13 +118,15 @@ class OutputWriter:
         )
         self.metrics.dead_letters.labels(reason=letter.reason.value).inc()
         if self.limits.fits(self.topics.dead_letters, key, None, headers):
-            produce(self.producer, self.topics.dead_letters, None, key=key, headers=headers)
-            if self.produced is not None:
-                self.produced.append(
-                    (self.topics.dead_letters, None, {"key": key, "headers": headers})
-                )
+            self._produce(self.topics.dead_letters, None, {"key": key, "headers": headers})
         else:
             log.error("a %s dead letter itself does not fit; counted only", letter.reason.value)
+
+    def _produce(self, topic: str, value: bytes | None, kwargs: dict[str, Any]) -> None:
+        """Produce one record, and keep it in `produced` when that is a list."""
+        produce(self.producer, topic, value, **kwargs)
+        if self.produced is not None:
+            self.produced.append((topic, value, kwargs))
 
     def _too_large(self, output: Output) -> None:
         """Stand in for a record its topic refuses: fail its request, keep every reference.

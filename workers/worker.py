@@ -683,19 +683,17 @@ class Worker:
         self._drop_state(partitions)
         if not partitions:
             return
-        for tp in self._committed(partitions):
+        committed = self.consumer.committed(
+            [TopicPartition(self.topics.input, p) for p in partitions],
+            self.deadline.remaining(KAFKA_TIMEOUT_S),
+        )
+        for tp in committed:
             offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
             try:
                 self.consumer.seek(TopicPartition(self.topics.input, tp.partition, offset))
             except KafkaException:
                 log.warning("rewind of partition %d failed", tp.partition, exc_info=True)
         self._begin_restore(partitions)
-
-    def _committed(self, partitions: list[int]) -> list[TopicPartition]:
-        return self.consumer.committed(
-            [TopicPartition(self.topics.input, p) for p in partitions],
-            self.deadline.remaining(KAFKA_TIMEOUT_S),
-        )
 
     # -- rebalance and restore ----------------------------------------------------------------
 
