@@ -23,6 +23,7 @@ from workers.demo import (
     DemoOptions,
     local_broker,
     run,
+    tokenizer_paths,
 )
 from workers.prometheus import DEFAULT_METRICS_PORT
 
@@ -70,6 +71,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"detok demo: {error}", file=sys.stderr)
         return 2
     try:
+        tokenizer_paths(args.shared_dir, args.tokenizers)  # before a broker is started for it
         connection = connection_from(args, fallback=local_broker)
     except DemoError as error:
         print(f"detok demo: {error}", file=sys.stderr)
