@@ -310,8 +310,11 @@ def _surely_ahead(message: Message, committed_input: Mapping[int, int]) -> bool:
 
 
 def _ahead_of_commit(message: Message, committed_input: Mapping[int, int]) -> bool:
-    """Under at-least-once: was this snapshot written for input the group never committed?"""
+    """Under at-least-once: was this snapshot written for input the group never committed?
+    ValueError for a damaged offset header (a header without a value is one)."""
     for key, value in message.headers() or ():
         if key == PROCESSED_OFFSET_HEADER:
+            if value is None:
+                raise ValueError(f"{PROCESSED_OFFSET_HEADER} has no value")
             return int(value) > committed_input.get(message.partition(), -1)
     return False
