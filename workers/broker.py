@@ -231,11 +231,12 @@ def start_broker(
     port: int = DEFAULT_PORT,
     data_dir: Path = DEFAULT_DATA_DIR,
     security: BrokerSecurity | None = None,
+    server_properties: Mapping[str, str] | None = None,
 ) -> RunningBroker:
     """Start the broker of `data_dir` on `port` and return once it answers metadata requests.
 
-    `security`'s server properties override or extend the template; they apply to the
-    formatting and to every start.
+    `security`'s server properties, then `server_properties` (for drills and tests), override
+    or extend the template; they apply to the formatting and to every start.
 
     Idempotent: if this data directory's broker already runs, it is waited for and returned, so
     `detok broker start` twice is harmless. Raises PortInUse if something else holds the ports,
@@ -273,6 +274,7 @@ def start_broker(
             "controller.quorum.voters": f"1@{controller}",
             "log.dirs": str(data_dir / "kafka-logs"),
             **(security.server_properties if security else {}),
+            **(server_properties or {}),
         },
     )
     if not (data_dir / "kafka-logs" / "meta.properties").exists():

@@ -269,8 +269,8 @@ class Worker:
     def run(self) -> int:
         """Process until stopped by a signal, by `exit_when_idle_s`, or by a fatal error."""
         try:
-            self.strategy.start(self.producer, self._new_producer)
-            self.timeline.mark("producer ready")
+            if not self._start_producer():
+                return 0
             self.consumer.subscribe(
                 [self.topics.input],
                 on_assign=self._on_assign,
@@ -292,6 +292,27 @@ class Worker:
             self.stats.summary(self.processor.active_requests, self.timeline.summary()),
         )
         return 0
+
+    def _start_producer(self) -> bool:
+        """Initialise the producer (exactly-once: fence the predecessor with our transactional
+        id, aborting its open transaction); False if a stop ended the wait for that.
+
+        A stop during the wait keeps initialising until the shutdown deadline, because that
+        fencing is what lets the group's next owner of our partitions restore at once rather
+        than after the predecessor's transaction timeout. If the deadline ends it first, the
+        stop is still a clean one: nothing was consumed or produced, nothing of ours is open.
+        (A worker restarted while a broker was down was stopped so, and exited 1 as if it had
+        failed.)"""
+        try:
+            self.strategy.start(self.producer, self._new_producer)
+        except FatalWorkerError as error:
+            if not self.stop.requested:
+                raise
+            log.warning("stopped before the producer was ready, nothing consumed: %s", error)
+            self._close(abort=False)
+            return False
+        self.timeline.mark("producer ready")
+        return True
 
     def _new_producer(self, cause: str) -> Producer:
         """A producer in place of one the commit strategy abandoned (`cause`: a label of

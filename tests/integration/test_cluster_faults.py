@@ -240,12 +240,23 @@ def run_with_fault(
                 worker.kill()
                 worker.wait()
     logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("worker-*.log")))
-    assert codes == {"w0": 0, "w1": 0}, logs[-6000:]
+    assert codes == {"w0": 0, "w1": 0}, failed_worker_logs(tmp_path, codes)
     assert "Traceback" not in logs
     assert completions_on(run.bootstrap, names) == expected
     assert_deltas_cover_exactly_once(run.bootstrap, names, expected)
     assert list(read_messages(run.bootstrap, names.dead_letters)) == []
     report_figures(label, run, fault_at, fault_s, logs.count(REPLACED_MARK))
+
+
+def failed_worker_logs(tmp_path: Path, codes: dict[str, int]) -> str:
+    """The end of the last log of each worker that exited non-zero (a restarted worker has one
+    log per start; the last start is the one whose exit code failed)."""
+    tails = []
+    for instance_id, code in codes.items():
+        if code != 0:
+            last_log = sorted(tmp_path.glob(f"worker-{instance_id}-*.log"))[-1]
+            tails.append(f"--- {last_log.name} (exit {code}) ---\n{last_log.read_text()[-6000:]}")
+    return "\n".join(tails)
 
 
 def wait_until_both_restored(run: Run) -> None:

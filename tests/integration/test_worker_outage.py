@@ -25,6 +25,7 @@ from tests.integration.worker_harness import (
     pipeline_topics,
     start_worker,
     wait_exit,
+    wait_until,
 )
 from workers import broker
 
@@ -137,6 +138,50 @@ def test_sigterm_during_a_broker_outage_ends_within_the_shutdown_deadline(
         kill_if_running(worker)
         broker.stop_broker(data_dir)
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_producer_cannot_initialise_is_a_clean_stop(tmp_path: Path) -> None:
+    """A worker stopped before its transactional producer is ready exits 0 by its deadline.
+
+    The fault: a broker that cannot host transaction state (its log wants 2 replicas, the broker
+    is alone), so it answers metadata and topic configs but `init_transactions` never finds a
+    coordinator, as a worker restarted while the coordinator's broker is down finds. The worker
+    had consumed nothing, so a stop there is not a failure; it exited 1 (a cluster-fault test
+    on CI: the restarted worker was stopped still initialising).
+    """
+    data_dir = Path(tempfile.mkdtemp(prefix="no-coordinator-", dir=REPO_ROOT / ".kafka-local"))
+    running = broker.start_broker(
+        port=free_port_pair(),
+        data_dir=data_dir,
+        server_properties={"transaction.state.log.replication.factor": "2"},
+    )
+    worker = None
+    try:
+        names = pipeline_topics(running.bootstrap_servers, partitions=2)
+        worker = start_worker(
+            running.bootstrap_servers,
+            names,
+            unique_name("g"),
+            instance_id="uninitialised",
+            extra=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
+            log_dir=tmp_path,
+        )
+        log_path = next(tmp_path.glob("worker-*.log"))
+        wait_until(
+            lambda: "initialising transactions (is the broker reachable?)" in log_path.read_text(),
+            "the worker to retry initialising its producer",
+        )
+        worker.send_signal(signal.SIGTERM)
+        code = wait_exit(worker)
+    finally:
+        kill_if_running(worker)
+        broker.stop_broker(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    log = log_path.read_text()
+    assert "Traceback" not in log
+    assert code == 0, log[-3000:]
+    assert "stopped before the producer was ready" in log
 
 
 def test_a_deleted_output_topic_is_named_as_the_cause(kafka_bootstrap: str, tmp_path: Path) -> None:
