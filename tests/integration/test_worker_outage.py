@@ -26,6 +26,7 @@ from tests.integration.worker_harness import (
     start_worker,
     wait_exit,
     wait_until,
+    worker_log,
 )
 from workers import broker
 
@@ -157,6 +158,7 @@ def test_sigterm_while_the_producer_cannot_initialise_is_a_clean_stop(tmp_path: 
         server_properties={"transaction.state.log.replication.factor": "2"},
     )
     worker = None
+    log_path = worker_log(tmp_path, "uninitialised")
     try:
         names = pipeline_topics(running.bootstrap_servers, partitions=2)
         worker = start_worker(
@@ -166,8 +168,8 @@ def test_sigterm_while_the_producer_cannot_initialise_is_a_clean_stop(tmp_path: 
             instance_id="uninitialised",
             extra=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
             log_dir=tmp_path,
+            log_path=log_path,
         )
-        log_path = next(tmp_path.glob("worker-*.log"))
         wait_until(
             lambda: "initialising transactions (is the broker reachable?)" in log_path.read_text(),
             "the worker to retry initialising its producer",
