@@ -100,6 +100,12 @@ class PrometheusMetrics:
             ["cause"],
             registry=r,
         )
+        self.transactions_recommitted = Counter(
+            "detok_transactions_recommitted",
+            "Transactions a rebalance refused (a new group generation) and that were committed "
+            "again unchanged under it: neither aborted nor redone",
+            registry=r,
+        )
         self.producer_replacements = Counter(
             "detok_producer_replacements",
             "Producers replaced in process, by cause (the worker then rolls back and restores)",
@@ -215,10 +221,12 @@ class PrometheusMetrics:
             self.prompt_ids_filtered.labels(model=metric.model).inc(metric.filtered_count)
         self.metric_events_produced.inc(len(result.filtered_ids))
 
-    def observe_commit(self, seconds: float, committed: bool) -> None:
+    def observe_commit(self, seconds: float, committed: bool, recommitted: bool = False) -> None:
         self.transactions.labels(outcome="committed" if committed else "aborted").inc()
         if committed:
             self.commit_duration.observe(seconds)
+        if recommitted:
+            self.transactions_recommitted.inc()
 
     def observe_caught_up(self) -> None:
         """A commit went through, or there was nothing to commit: no stall."""

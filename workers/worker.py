@@ -643,7 +643,7 @@ class Worker:
             if outcome.rollback or moved:  # decoded again, here or by the partition's new owner
                 self.stats.redone_tokens += outcome.decoded_tokens
         self.stats.slowest_commit_s = max(self.stats.slowest_commit_s, outcome.seconds)
-        self.metrics.observe_commit(outcome.seconds, outcome.committed)
+        self.metrics.observe_commit(outcome.seconds, outcome.committed, outcome.recommits > 0)
         self.metrics.active_requests.set(self.processor.active_requests)
         if outcome.abort_cause is not None:
             self.metrics.observe_abort(outcome.abort_cause)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from prometheus_client import generate_latest
 
 from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.unit.fake_records import FakeMessage
@@ -67,6 +68,7 @@ class RecordingStrategy:
         self.offered: list[list[tuple[int, int]]] = []
         self.records: list[list] = []
         self.refuse = True
+        self.recommits = 0  # what each commit reports as committed again under a new generation
 
     def producer_settings(self) -> dict:
         return {}
@@ -84,7 +86,14 @@ class RecordingStrategy:
         self.offered.append(sent)
         self.records.append(records)
         refused = dict(sent) if self.refuse else {}
-        return CommitOutcome(not refused, 0.0, 0.0, decoded_tokens, refused_offsets=refused)
+        return CommitOutcome(
+            not refused,
+            0.0,
+            0.0,
+            decoded_tokens,
+            refused_offsets=refused,
+            recommits=self.recommits,
+        )
 
     def settle(self, consumer: object) -> None:
         return None
@@ -599,3 +608,19 @@ def test_the_worker_hands_each_commit_the_records_it_produced_for_it(worker) -> 
         (worker.topics.completions, b"done")
     ]
     assert worker.writer.produced is None
+
+
+def test_a_transaction_committed_again_is_counted_once_for_dashboards(worker) -> None:
+    """A recommit is neither an abort nor a redo: a counter of its own says rebalances are
+    landing on commits (the run summary alone reached no dashboard)."""
+    strategy = RecordingStrategy()
+    strategy.refuse = False
+    worker.strategy = strategy
+    for recommits in (2, 0):  # refused twice and committed on the third attempt; then not
+        strategy.recommits = recommits
+        worker.checkpoint.offsets[0] = 1
+        worker.commit()
+    scraped = generate_latest(worker.metrics.registry).decode()
+    assert "detok_transactions_recommitted_total 1.0" in scraped
+    assert 'detok_transactions_total{outcome="committed"} 2.0' in scraped
+    assert worker.stats.recommitted_commits == 2
