@@ -63,6 +63,17 @@ STILL_WAITING_LOG_INTERVAL_S = 10.0
 # resumes seconds after its brokers do. It is also how far past its shutdown deadline a worker
 # stopping during a wedged call can run.
 WEDGED_CALL_SLACK_S = 8.0
+# An abort is a round trip to the transaction coordinator once the open transaction's records
+# are settled, yet after every broker of a cluster was restarted, abort_transaction was seen to
+# return "timed out, retry call to resume" on every call for 50-60 s (both workers of one CI
+# run of the all-brokers-down test; one was still retrying at its shutdown deadline and exited
+# 1). The call returns, so it is not wedged; the client's transaction state is stuck. Past this
+# budget the producer is replaced like a wedged one (`ExactlyOnce._replace`): the new producer's
+# init_transactions fences the old one and aborts its transaction at the coordinator, which a
+# stuck client never gets to. Longer than a partition leader's election after a kill (the dead
+# broker's 9 s session timeout, then the vote), so an abort merely waiting out an election is
+# not replaced; a false alarm costs a fencing, never a record.
+ABORT_BUDGET_S = 15.0
 # librdkafka's idempotent producer raises these as fatal when a partition leader dies with
 # records in flight and the new leader's sequence state disagrees with the producer's (seen after
 # a kill -9 of a leader: OUT_OF_ORDER_SEQUENCE_NUMBER, "sequence desynchronization"). That
@@ -133,16 +144,21 @@ def same_member_next_generation(refused: bytes, current: bytes) -> bool:
 # - abortable_error: the broker refused to commit it (the coordinator timed it out during an
 #   outage, the group moved on); the batch is re-processed from restored state;
 # - partitions_lost: the group took the partitions away (session timeout) before it committed;
-# - producer_replaced: the producer became unusable (its sequence state lost, a call wedged); its
-#   replacement's init_transactions aborted the transaction (see ProducerLost);
+# - producer_replaced: the producer became unusable (its sequence state lost, a call wedged, an
+#   abort stuck); its replacement's init_transactions aborted the transaction (see ProducerLost);
 # - stopping_on_error: the worker is exiting after a fatal error and discards what is open.
 ABORT_CAUSES = ("abortable_error", "partitions_lost", "producer_replaced", "stopping_on_error")
 # Why a producer was replaced, the `cause` label of the worker's replacement counter.
-REPLACEMENT_CAUSES = ("producer_state_lost", "wedged_call")
+REPLACEMENT_CAUSES = ("producer_state_lost", "wedged_call", "abort_stuck")
 
 
 class FatalWorkerError(Exception):
     """The worker cannot go on (fenced, not authorised, a broker gone past every bound)."""
+
+
+class _BudgetSpent(FatalWorkerError):
+    """A retried call's own budget ran out (not the shutdown deadline): fatal unless its caller
+    has a way out (a stuck abort replaces the producer)."""
 
 
 class ProducerFailed(FatalWorkerError):
@@ -174,9 +190,12 @@ class Deadline:
         if self.at is None:
             self.at = time.monotonic() + seconds
 
+    def passed(self) -> bool:
+        return self.at is not None and self.at <= time.monotonic()
+
     def describe(self, budget_s: float) -> str:
         """How a bounded wait ended, for the message that reports it."""
-        if self.at is not None and self.at <= time.monotonic():
+        if self.passed():
             return "before the shutdown deadline"
         return f"within {budget_s:.0f} s"
 
@@ -397,12 +416,17 @@ class ExactlyOnce:
         return self._in_flight is not None and not self._in_flight.done()
 
     def abort(self) -> bool:
-        """Discard the open transaction's records and open the next one."""
+        """Discard the open transaction's records and open the next one; an abort still not
+        done after ABORT_BUDGET_S replaces the producer."""
         try:
-            self._retry_until_done(
-                lambda producer, timeout: producer.abort_transaction(timeout),
-                "aborting a transaction",
-            )
+            try:
+                self._retry_until_done(
+                    lambda producer, timeout: producer.abort_transaction(timeout),
+                    "aborting a transaction",
+                    ABORT_BUDGET_S,
+                )
+            except _BudgetSpent as stuck:
+                raise ProducerLost("abort_stuck", str(stuck)) from None
             self._begin()
         except ProducerLost as lost:
             self._replace(lost)  # its init_transactions aborts the transaction
@@ -643,7 +667,8 @@ class _RetryWait:
         left = self.budget_s - (time.monotonic() - self.started)
         timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, left))
         if timeout <= 0:
-            raise FatalWorkerError(
+            ended = FatalWorkerError if self.deadline.passed() else _BudgetSpent
+            raise ended(
                 f"{self.what} did not finish {self.deadline.describe(self.budget_s)}; "
                 f"last error: {self.last}"
             )

@@ -248,6 +248,12 @@ class ScriptedProducer:
 
     def abort_transaction(self, timeout: float) -> None:
         self.calls.append("abort")
+        if self.abort_stuck:
+            raise KafkaException(
+                KafkaError(KafkaError._TIMED_OUT, "retry call to resume", retriable=True)
+            )
+
+    abort_stuck = False  # every abort call times out, as after every broker was restarted
 
 
 def group_metadata(generation: int, member: bytes = b"member-1") -> bytes:
@@ -330,6 +336,40 @@ def test_a_wedged_call_replaces_the_producer(monkeypatch) -> None:
         assert renewals.made[0].calls == ["init", "begin", "abort", "begin"]
     finally:
         wedged.release.set()
+        strategy.close()
+
+
+def test_an_abort_that_never_finishes_replaces_the_producer(monkeypatch) -> None:
+    """An abort whose every call times out (seen for 50-60 s after every broker restarted) is
+    given ABORT_BUDGET_S, then its producer is replaced: the new one's init_transactions aborts
+    the transaction at the coordinator. The shutdown deadline still ends it as a failure."""
+    monkeypatch.setattr(checkpointing, "ABORT_BUDGET_S", 0.3)
+    monkeypatch.setattr(checkpointing, "CALL_TIMEOUT_S", 0.05)
+    stuck = ScriptedProducer()
+    stuck.abort_stuck = True
+    renewals = Renewals()
+    strategy = ExactlyOnce("detok-g-w0", Deadline())
+    strategy.start(stuck, renewals)
+    try:
+        assert strategy.abort()
+        assert renewals.causes == ["abort_stuck"]
+        assert stuck.calls[:3] == ["init", "begin", "abort"] and set(stuck.calls[2:]) == {"abort"}
+        assert renewals.made[0].calls == ["init", "begin"]
+        assert strategy.producer is renewals.made[0]
+    finally:
+        strategy.close()
+
+    stopping = Deadline()
+    stuck = ScriptedProducer()
+    strategy = ExactlyOnce("detok-g-w0", stopping)
+    strategy.start(stuck, renewals)
+    stuck.abort_stuck = True
+    stopping.set_in(0.1)  # a stop comes before the budget ends: no replacement, a failure
+    try:
+        with pytest.raises(FatalWorkerError, match="before the shutdown deadline"):
+            strategy.abort()
+        assert renewals.causes == ["abort_stuck"]
+    finally:
         strategy.close()
 
 
