@@ -35,7 +35,7 @@ from confluent_kafka import (
 from pipeline.processor import DeadLetter
 from pipeline.request_state import SEGMENT_SEPARATOR, split_changelog_key
 from schemas.events import DeadLetterReason
-from workers.checkpointing import FatalWorkerError, Output
+from workers.checkpointing import COORDINATOR_MOVING_ERRORS, FatalWorkerError, Output
 from workers.kafka_clients import KafkaConnection, make_consumer
 from workers.kafka_origin import KafkaOrigin
 
@@ -58,6 +58,10 @@ METADATA_TIMEOUT_S = 10.0
 # How long one lookup of the group's committed offsets waits for a pending transaction before
 # the restore logs that it still waits and asks again (see `settled_commits`).
 SETTLE_LOOKUP_TIMEOUT_S = 5.0
+# The pause after a lookup refused at once, doubling up to the longest: a moving coordinator is
+# not asked hundreds of times a second.
+LOOKUP_RETRY_PAUSE_S = 0.2
+LOOKUP_MAX_RETRY_PAUSE_S = 2.0
 
 
 class RestoreInterrupted(Exception):
@@ -113,7 +117,8 @@ def settled_commits(
     lookup_timeout_s: float = SETTLE_LOOKUP_TIMEOUT_S,
 ) -> dict[int, int]:
     """The group's committed offsets of `topic`'s `partitions`, once no transaction holds any of
-    them pending; asked of the group's own read_committed consumer before the changelog is read.
+    them pending; asked of the group's own read_committed consumer before the changelog is read
+    (a restore) and before the input is rewound to them (the rollback after an abort).
 
     The previous owner's last transaction carries its final snapshots and its offsets together,
     and `commit_transaction` returns before the commit markers are written to each partition:
@@ -125,20 +130,36 @@ def settled_commits(
     (librdkafka retries while the broker answers UNSTABLE_OFFSET_COMMIT), and the broker settles
     a transaction's offsets after appending its markers, so once they settle the snapshots of
     the same transaction can be read. Waiting costs nothing the input would not wait for anyway.
+
+    A coordinator on the move (COORDINATOR_MOVING_ERRORS) is waited out the same way, since the
+    cluster recovers from it by itself; either wait ends at once on a stop (RestoreInterrupted).
     """
     wanted = [TopicPartition(topic, p) for p in sorted(partitions)]
+    pause = LOOKUP_RETRY_PAUSE_S
     while True:
         try:
             return {tp.partition: tp.offset for tp in consumer.committed(wanted, lookup_timeout_s)}
         except KafkaException as exception:
-            if exception.args[0].code() != KafkaError._TIMED_OUT:
+            error: KafkaError = exception.args[0]
+            if error.code() != KafkaError._TIMED_OUT and error.code() not in (
+                COORDINATOR_MOVING_ERRORS
+            ):
                 raise
         if should_stop():
             raise RestoreInterrupted(f"stopped while waiting for the commits of {topic} {wanted}")
+        if error.code() == KafkaError._TIMED_OUT:
+            log.warning(
+                "the lookup of partitions %s waits for a transaction to settle",
+                sorted(partitions),
+            )
+            continue
         log.warning(
-            "restore of partitions %s waits for a transaction of their previous owner to settle",
+            "the lookup of partitions %s waits for the group coordinator (%s)",
             sorted(partitions),
+            error.name(),
         )
+        time.sleep(pause)
+        pause = min(pause * 2, LOOKUP_MAX_RETRY_PAUSE_S)
 
 
 def read_latest(

@@ -47,6 +47,7 @@ from pipeline.processor import BatchResult, DeadLetter, RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, dump_json
 from workers.changelog import (
+    SETTLE_LOOKUP_TIMEOUT_S,
     RestoreInterrupted,
     apply_latest,
     changelog_record,
@@ -704,16 +705,25 @@ class Worker:
         self._drop_state(partitions)
         if not partitions:
             return
-        committed = self.consumer.committed(
-            [TopicPartition(self.topics.input, p) for p in partitions],
-            self.deadline.remaining(KAFKA_TIMEOUT_S),
-        )
-        for tp in committed:
-            offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+        try:
+            committed = settled_commits(
+                self.consumer,
+                self.topics.input,
+                partitions,
+                lambda: self.stop.requested,
+                self.deadline.remaining(SETTLE_LOOKUP_TIMEOUT_S),
+            )
+        except RestoreInterrupted as interrupted:
+            # Stopping: left unrestored, the partitions' records are dropped unhandled, and
+            # nothing of them is committed; their next owner reprocesses from the commit.
+            log.info("%s; not rewinding partitions %s", interrupted, partitions)
+            committed = {}
+        for partition, committed_offset in committed.items():
+            offset = committed_offset if committed_offset >= 0 else OFFSET_BEGINNING
             try:
-                self.consumer.seek(TopicPartition(self.topics.input, tp.partition, offset))
+                self.consumer.seek(TopicPartition(self.topics.input, partition, offset))
             except KafkaException:
-                log.warning("rewind of partition %d failed", tp.partition, exc_info=True)
+                log.warning("rewind of partition %d failed", partition, exc_info=True)
         self._begin_restore(partitions)
 
     # -- rebalance and restore ----------------------------------------------------------------

@@ -41,6 +41,10 @@ def test_a_fenced_worker_exits_non_zero_and_its_successor_finishes_exactly(
     run.wait_for_log(successor, "assigned partitions")  # it joined: its transactions began
     producer.join()
     paced_replay(run.bootstrap, second_part, run.names.input, rate=60.0).join()
-    assert wait_exit(zombie) != 0
-    assert wait_exit(successor) == 0
+    codes = {"zombie": wait_exit(zombie), "successor": wait_exit(successor)}
+    logs = "\n".join(
+        f"--- {path.parent.name}/{path.name} ---\n{path.read_text()}"
+        for path in sorted([*zombie_dir.glob("*.log"), *successor_dir.glob("*.log")])
+    )
+    assert codes["zombie"] != 0 and codes["successor"] == 0, f"{codes}\n{logs}"
     run.assert_exactly_once()

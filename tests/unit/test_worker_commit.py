@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 from prometheus_client import generate_latest
 
 from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.unit.fake_records import FakeMessage
 from tests.unit.small_tokenizers import byte_level
-from workers import checkpointing
+from workers import changelog, checkpointing
 from workers.checkpointing import (
     AtLeastOnce,
     CommitOutcome,
@@ -40,14 +40,16 @@ from workers.worker import GROUP_THREAD_WAKE_S, Worker
 
 
 class RefusingConsumer:
-    """A consumer whose group is rebalancing: every offset commit is refused."""
+    """A consumer whose group is rebalancing (or whose coordinator moves): every offset commit
+    is refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, refusal: int = KafkaError.ILLEGAL_GENERATION) -> None:
+        self.refusal = refusal
         self.offered: list[list[tuple[int, int]]] = []
 
     def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
         self.offered.append([(tp.partition, tp.offset) for tp in offsets])
-        raise KafkaException(KafkaError(KafkaError.ILLEGAL_GENERATION))
+        raise KafkaException(KafkaError(self.refusal))
 
 
 class DeliveredProducer:
@@ -108,10 +110,17 @@ class RecordingStrategy:
         pass
 
 
-def test_at_least_once_reports_offsets_a_rebalance_refused() -> None:
+@pytest.mark.parametrize(
+    "refusal",
+    [KafkaError.ILLEGAL_GENERATION, KafkaError.NOT_COORDINATOR],
+    ids=["rebalance", "coordinator moving"],
+)
+def test_at_least_once_reports_offsets_a_rebalance_refused(refusal: int) -> None:
+    """Refused by a rebalance or by a group coordinator on the move (a broker restarting), the
+    offsets are reported refused, to be offered again, never a fatal error."""
     strategy = AtLeastOnce(Deadline())
     strategy.start(DeliveredProducer(), lambda cause: DeliveredProducer())
-    consumer = RefusingConsumer()
+    consumer = RefusingConsumer(refusal)
     offsets = [TopicPartition("in", 0, 10), TopicPartition("in", 1, 20)]
     outcome = strategy.commit(consumer, offsets, decoded_tokens=7, records=[])
     assert consumer.offered == [[(0, 10), (1, 20)]]
@@ -151,6 +160,63 @@ def test_offsets_refused_by_a_rebalance_are_offered_again_for_kept_partitions(wo
     worker.commit()
     assert strategy.offered[1] == [(0, 10), (2, 30)]
     assert worker.checkpoint.offsets == {} and worker.stats.commits == 1
+
+
+class MovingCoordinatorConsumer:
+    """A group consumer whose coordinator is moving to another broker (a rolling restart): the
+    first `refusals` offset lookups answer NOT_COORDINATOR, then the committed offsets."""
+
+    def __init__(self, refusals: int, committed: dict[int, int]) -> None:
+        self.refusals = refusals
+        self.committed_offsets = committed
+        self.lookups = 0
+        self.seeks: list[tuple[int, int]] = []
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        self.lookups += 1
+        if self.lookups <= self.refusals:
+            raise KafkaException(KafkaError(KafkaError.NOT_COORDINATOR))
+        return [
+            TopicPartition(tp.topic, tp.partition, self.committed_offsets[tp.partition])
+            for tp in partitions
+        ]
+
+    def seek(self, partition: TopicPartition) -> None:
+        self.seeks.append((partition.partition, partition.offset))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_rollback_waits_out_a_moving_group_coordinator(worker, monkeypatch) -> None:
+    """After an abort the worker rewinds to the group's committed offsets; a lookup answered by
+    a coordinator on the move (a CI rolling restart: NOT_COORDINATOR, and the worker exited 1)
+    is asked again, then the partitions rewind and restore."""
+    monkeypatch.setattr(changelog, "LOOKUP_RETRY_PAUSE_S", 0.01)
+    consumer = MovingCoordinatorConsumer(refusals=3, committed={0: 40, 1: -1001})
+    worker.consumer.close()
+    worker.consumer = consumer
+    worker.assigned = {0, 1}
+    worker._rollback()
+    assert consumer.lookups == 4
+    assert consumer.seeks == [(0, 40), (1, OFFSET_BEGINNING)]
+    assert worker.restoring == {0, 1}
+
+
+def test_a_rollback_while_stopping_gives_up_on_the_coordinator_unrewound(
+    worker, monkeypatch
+) -> None:
+    """Stopping, the worker does not wait for the coordinator: its partitions stay unrestored,
+    so none of their records is handled or committed, and their next owner reprocesses."""
+    monkeypatch.setattr(changelog, "LOOKUP_RETRY_PAUSE_S", 0.01)
+    consumer = MovingCoordinatorConsumer(refusals=1_000, committed={0: 40})
+    worker.consumer.close()
+    worker.consumer = consumer
+    worker.assigned = {0}
+    worker.stop.requested = True
+    worker._rollback()
+    assert consumer.lookups == 1 and consumer.seeks == []
+    assert worker.restoring == {0}
 
 
 def test_ttl_clock_is_record_time_until_a_partition_is_caught_up(worker) -> None:
