@@ -632,7 +632,7 @@ class Worker:
         """Account for a finished commit; roll back or re-offer what did not take."""
         if outcome is None:
             return
-        self.stats.recommitted_commits += outcome.recommits
+        self.stats.recommitted_commits += outcome.recommits > 0  # transactions, not attempts
         if outcome.committed:
             self.stats.commits += 1
             self.stats.last_commit_at = outcome.finished_at

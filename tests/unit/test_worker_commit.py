@@ -729,4 +729,4 @@ def test_a_transaction_committed_again_is_counted_once_for_dashboards(worker) ->
     scraped = generate_latest(worker.metrics.registry).decode()
     assert "detok_transactions_recommitted_total 1.0" in scraped
     assert 'detok_transactions_total{outcome="committed"} 2.0' in scraped
-    assert worker.stats.recommitted_commits == 2
+    assert worker.stats.recommitted_commits == 1  # the run summary agrees with the dashboard
