@@ -51,7 +51,7 @@ RESTORE_BATCH = 10_000
 # A restore that makes no progress (a broker outage) logs this often while it waits; it waits
 # for as long as the broker is away, but a stop request ends it at once.
 STALL_LOG_INTERVAL_S = 10.0
-# Bounds the one metadata lookup before reading (it saves librdkafka's own slower schedule).
+# Bounds the one metadata lookup before reading (see `_look_up_metadata`).
 METADATA_TIMEOUT_S = 10.0
 
 
@@ -162,6 +162,27 @@ def settled_commits(
         pause = min(pause * 2, LOOKUP_MAX_RETRY_PAUSE_S)
 
 
+def _look_up_metadata(consumer: Consumer, topic: str) -> None:
+    """Ask for the changelog's metadata before reading: without it at hand, librdkafka looks it
+    up on its own slower schedule, and asking first took an empty restore from ~2 s to ~0.1 s.
+
+    Only a head start: when no broker answers (every broker of a cluster restarting), the
+    restore goes on and waits for the cluster in its reading loop, which a stop ends. Raised
+    from here, the lookup's transport error ended the worker instead (exit 1)."""
+    try:
+        metadata = consumer.list_topics(topic, METADATA_TIMEOUT_S)
+    except KafkaException as exception:
+        log.warning("restore: metadata of %s not at hand (%s); reading on", topic, exception)
+        return
+    found = metadata.topics.get(topic)
+    if (
+        found is not None
+        and found.error is not None
+        and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+    ):
+        raise FatalWorkerError(f"changelog topic {topic} does not exist")
+
+
 def read_latest(
     connection: KafkaConnection,
     group: str,
@@ -197,16 +218,7 @@ def read_latest(
     )
     latest: dict[bytes | None, Message] = {}
     try:
-        # Without metadata at hand, librdkafka looks it up on its own slower schedule: asking
-        # first took an empty restore from ~2 s to ~0.1 s.
-        metadata = consumer.list_topics(topic, METADATA_TIMEOUT_S)
-        found = metadata.topics.get(topic)
-        if (
-            found is not None
-            and found.error is not None
-            and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
-        ):
-            raise FatalWorkerError(f"changelog topic {topic} does not exist")
+        _look_up_metadata(consumer, topic)
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in numbers])
         remaining = set(numbers)
         last_progress = time.monotonic()
