@@ -783,7 +783,7 @@ class AtLeastOnce:
         refused: dict[int, int] = {}
         if offsets:
             try:
-                consumer.commit(offsets=offsets, asynchronous=False)
+                self._commit_offsets(consumer, offsets, budget_end)
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
                 passing = REBALANCE_COMMIT_ERRORS | COORDINATOR_MOVING_ERRORS
@@ -802,6 +802,43 @@ class AtLeastOnce:
             decoded_tokens,
             refused_offsets=refused,
         )
+
+    def _commit_offsets(
+        self, consumer: Consumer, offsets: list[TopicPartition], budget_end: float
+    ) -> None:
+        """`consumer.commit`, synchronous, on a thread of its own, waited for in CALL_TIMEOUT_S
+        slices until it returns (its error raised here), the commit's budget ends, or the
+        shutdown deadline passes (FatalWorkerError).
+
+        librdkafka's synchronous commit has no timeout: with the group coordinator gone it
+        waits for one to come back, for as long as that takes (seen: a broker killed between a
+        commit's flush and its offsets, and the worker, sent SIGTERM, still blocked 120 s
+        later, past its 5 s shutdown deadline). Left behind on its thread, the call ends when
+        the consumer is closed, which answers it `_WAIT_COORD`."""
+        done: Future[None] = Future()
+
+        def commit() -> None:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            except BaseException as error:  # raised in the waiting thread
+                done.set_exception(error)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=commit, daemon=True, name="detok-offset-commit").start()
+        while True:
+            timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, budget_end - time.monotonic()))
+            if timeout <= 0:
+                raise FatalWorkerError(
+                    f"offset commit not answered {self.deadline.describe(self.commit_timeout_s)} "
+                    "(no group coordinator); offsets left uncommitted so a restart reprocesses "
+                    "them"
+                )
+            try:
+                done.result(timeout)
+                return
+            except TimeoutError:
+                continue
 
     def settle(self, consumer: Consumer | None) -> CommitOutcome | None:
         return None  # every commit finished before `commit` returned

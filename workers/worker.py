@@ -29,6 +29,7 @@ Every wait is bounded and ends on SIGTERM; once stopping, the worker is gone wit
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -55,6 +56,7 @@ from workers.changelog import (
     settled_commits,
 )
 from workers.checkpointing import (
+    CALL_TIMEOUT_S,
     Checkpoint,
     CommitOutcome,
     Deadline,
@@ -336,14 +338,38 @@ class Worker:
             except (KafkaException, FatalWorkerError) as error:
                 log.warning("abort at shutdown failed: %s", _message(error))
         self._commit_on_revoke = not abort
-        try:
-            self.consumer.close()  # leaves the group; our revoke callback commits what is open
-        except (KafkaException, FatalWorkerError) as error:
-            log.warning("leaving the group failed: %s", _message(error))
+        self._leave_group()
         try:
             self.producer.flush(self.deadline.remaining(KAFKA_TIMEOUT_S))
         except KafkaException as error:
             log.warning("flush at shutdown failed: %s", _message(error))
+
+    def _leave_group(self) -> None:
+        """Close the consumer (it leaves the group; on a clean stop our revoke callback commits
+        what is open), waiting for it until the shutdown deadline at most.
+
+        With the group coordinator gone, closing waits for every offset commit still queued for
+        it, and librdkafka's commits have no timeout (at-least-once, a broker killed between a
+        commit's flush and its offsets: the close still waited 60 s later, one socket timeout
+        after another). A stopping worker must be gone by its deadline, so past it the close is
+        left on its own thread and the worker exits; the group drops the member by its session
+        timeout, as after a kill."""
+        closing = threading.Thread(target=self._close_consumer, daemon=True, name="detok-leave")
+        closing.start()
+        # A close is given one client call's time even past the deadline: a stop that ended a
+        # commit at the deadline still leaves the group when the cluster answers.
+        closing.join(max(self.deadline.remaining(KAFKA_TIMEOUT_S), CALL_TIMEOUT_S))
+        if closing.is_alive():
+            log.warning(
+                "leaving the group did not finish %s (no group coordinator); exiting without it",
+                self.deadline.describe(KAFKA_TIMEOUT_S),
+            )
+
+    def _close_consumer(self) -> None:
+        try:
+            self.consumer.close()
+        except (KafkaException, FatalWorkerError) as error:
+            log.warning("leaving the group failed: %s", _message(error))
 
     def _missing_topics(self) -> str:
         """Name a pipeline topic that is gone: a deleted output topic otherwise surfaces as a

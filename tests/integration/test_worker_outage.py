@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from tests.conftest import REPO_ROOT
@@ -29,6 +29,7 @@ from tests.integration.worker_harness import (
     worker_log,
 )
 from workers import broker
+from workers.checkpointing import AtLeastOnce, Deadline, FatalWorkerError
 
 pytestmark = pytest.mark.integration
 
@@ -210,3 +211,71 @@ def test_a_deleted_output_topic_is_named_as_the_cause(kafka_bootstrap: str, tmp_
     log = "\n".join(p.read_text() for p in tmp_path.glob("worker-*.log"))
     assert f"{names.completions} no longer exist" in log
     assert "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_an_offset_commit_with_the_broker_gone_ends_at_the_shutdown_deadline() -> None:
+    """At-least-once commits offsets with librdkafka's synchronous commit, which has no timeout:
+    with the group coordinator gone it waits for one to come back, and a worker sent SIGTERM
+    when a broker died between a commit's flush and its offsets was still blocked 120 s later.
+    The commit must give up at the shutdown deadline."""
+    data_dir = Path(tempfile.mkdtemp(prefix="outage-", dir=REPO_ROOT / ".kafka-local"))
+    port = free_port_pair()
+    running = broker.start_broker(port=port, data_dir=data_dir)
+    consumer = None
+    try:
+        bootstrap = running.bootstrap_servers
+        names = pipeline_topics(bootstrap, partitions=1)
+        producer = Producer({"bootstrap.servers": bootstrap})
+        for number in range(5):
+            producer.produce(names.input, b"{}", f"r{number}".encode())
+        producer.flush(30)
+        consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": unique_name("g"),
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+            }
+        )
+        consumer.subscribe([names.input])
+        consumed: list = []
+        wait_until(
+            lambda: (
+                consumed.extend(m for m in consumer.consume(10, 0.5) if not m.error())
+                or len(consumed) == 5
+            ),
+            "the records, consumed in the group",
+        )
+        os.kill(running.pid, signal.SIGKILL)  # the coordinator is gone before the offsets
+        deadline = Deadline()
+        strategy = AtLeastOnce(deadline)
+        strategy.start(producer, lambda cause: producer)
+        deadline.set_in(2)  # SIGTERM came
+        outcome: list[BaseException | None] = []
+
+        def commit() -> None:
+            try:
+                strategy.commit(consumer, [TopicPartition(names.input, 0, 5)], 5, [])
+                outcome.append(None)
+            except BaseException as error:
+                outcome.append(error)
+
+        committing = threading.Thread(target=commit, daemon=True)
+        committing.start()
+        committing.join(WAIT_BOUND_S)  # turns the old hang into a failure
+        assert outcome, "the offset commit was still waiting for a coordinator"
+        assert isinstance(outcome[0], FatalWorkerError)
+        assert "before the shutdown deadline" in str(outcome[0])
+    finally:
+        if consumer is not None:
+            # With the commit still queued for a coordinator, closing waits too (why the worker
+            # leaves the group with a bound, `Worker._leave_group`): the broker comes back so
+            # that the commit, and the close, end instead of retrying beside the next tests.
+            broker.stop_broker(data_dir)
+            broker.start_broker(port=port, data_dir=data_dir)
+            closing = threading.Thread(target=consumer.close, daemon=True)
+            closing.start()
+            closing.join(WAIT_BOUND_S)
+        broker.stop_broker(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)

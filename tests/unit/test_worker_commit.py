@@ -129,6 +129,49 @@ def test_at_least_once_reports_offsets_a_rebalance_refused(refusal: int) -> None
     assert outcome.decoded_tokens == 7
 
 
+class CoordinatorlessConsumer:
+    """A consumer whose group coordinator is gone: a synchronous commit waits (librdkafka's has
+    no timeout) until the consumer is closed, which answers it _WAIT_COORD. (Capped at 5 s, so
+    a worker that waits for the answer fails these tests instead of hanging them.)"""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        self.closed.wait(5)
+        raise KafkaException(KafkaError(KafkaError._WAIT_COORD))
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_at_least_once_gives_up_on_an_unanswered_offset_commit_at_the_shutdown_deadline() -> None:
+    """A worker stopping during a broker outage must be gone by its shutdown deadline even when
+    the outage began between a commit's flush and its offsets; the commit is left behind, and
+    closing the consumer ends it."""
+    deadline = Deadline()
+    strategy = AtLeastOnce(deadline)
+    strategy.start(DeliveredProducer(), lambda cause: DeliveredProducer())
+    consumer = CoordinatorlessConsumer()
+    deadline.set_in(0.3)  # SIGTERM came
+    try:
+        with pytest.raises(FatalWorkerError, match="before the shutdown deadline"):
+            strategy.commit(consumer, [TopicPartition("in", 0, 10)], 1, [])
+    finally:
+        consumer.close()
+
+
+def test_at_least_once_bounds_an_unanswered_offset_commit_by_its_budget_too() -> None:
+    strategy = AtLeastOnce(Deadline(), commit_timeout_s=0.3)
+    strategy.start(DeliveredProducer(), lambda cause: DeliveredProducer())
+    consumer = CoordinatorlessConsumer()
+    try:
+        with pytest.raises(FatalWorkerError, match="not answered within"):
+            strategy.commit(consumer, [TopicPartition("in", 0, 10)], 1, [])
+    finally:
+        consumer.close()
+
+
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[Worker]:
     path = tmp_path / "tokenizer.json"
@@ -217,6 +260,36 @@ def test_a_rollback_while_stopping_gives_up_on_the_coordinator_unrewound(
     worker._rollback()
     assert consumer.lookups == 1 and consumer.seeks == []
     assert worker.restoring == {0}
+
+
+class StuckClosingConsumer:
+    """A consumer whose close waits for an offset commit queued for a coordinator that is gone
+    (released by the test, or after 10 s)."""
+
+    def __init__(self) -> None:
+        self.closing = threading.Event()
+        self.release = threading.Event()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closing.set()
+        self.release.wait(10)
+        self.closed = True
+
+
+def test_a_stopping_worker_does_not_wait_past_its_deadline_to_leave_the_group(
+    worker, caplog
+) -> None:
+    worker.consumer.close()
+    consumer = StuckClosingConsumer()
+    worker.consumer = consumer
+    worker.deadline.set_in(0.1)  # SIGTERM came, and the last commit used up the grace period
+    try:
+        worker._leave_group()
+        assert consumer.closing.is_set() and not consumer.closed
+        assert "leaving the group did not finish before the shutdown deadline" in caplog.text
+    finally:
+        consumer.release.set()
 
 
 def test_ttl_clock_is_record_time_until_a_partition_is_caught_up(worker) -> None:
