@@ -303,9 +303,12 @@ class CommitStrategy(Protocol):
         offsets: list[TopicPartition],
         decoded_tokens: int,
         records: list[ProducedRecord],
+        in_rebalance_callback: bool = False,
     ) -> CommitOutcome | None:
         """Commit what was produced since the last commit (`records`, if `keeps_records`)
-        with `offsets`; None while the outcome is pending (`settle` returns it)."""
+        with `offsets`; None while the outcome is pending (`settle` returns it).
+        `in_rebalance_callback`: called from the consumer's revoke callback, where the consumer
+        is called on this thread only."""
         ...
 
     def settle(self, consumer: Consumer | None) -> CommitOutcome | None:
@@ -405,6 +408,7 @@ class ExactlyOnce:
         offsets: list[TopicPartition],
         decoded_tokens: int,
         records: list[ProducedRecord],
+        in_rebalance_callback: bool = False,
     ) -> CommitOutcome | None:
         metadata = consumer.consumer_group_metadata()
         self._sent = _Sent(offsets, metadata, decoded_tokens, records)
@@ -764,6 +768,7 @@ class AtLeastOnce:
         offsets: list[TopicPartition],
         decoded_tokens: int,
         records: list[ProducedRecord],
+        in_rebalance_callback: bool = False,
     ) -> CommitOutcome | None:
         assert self.producer is not None
         started = time.perf_counter()
@@ -783,7 +788,12 @@ class AtLeastOnce:
         refused: dict[int, int] = {}
         if offsets:
             try:
-                self._commit_offsets(consumer, offsets, budget_end)
+                if in_rebalance_callback:
+                    # From another thread, a synchronous commit waits for the callback to
+                    # return, which waits for the commit: deadlocked until the budget ended.
+                    consumer.commit(offsets=offsets, asynchronous=False)
+                else:
+                    self._commit_offsets(consumer, offsets, budget_end)
             except KafkaException as exception:
                 error: KafkaError = exception.args[0]
                 passing = REBALANCE_COMMIT_ERRORS | COORDINATOR_MOVING_ERRORS

@@ -605,7 +605,7 @@ class Worker:
 
     # -- commit -------------------------------------------------------------------------------
 
-    def commit(self, wait: bool = True) -> None:
+    def commit(self, wait: bool = True, in_rebalance_callback: bool = False) -> None:
         """Produce the checkpoint's records and commit them with its offsets.
 
         Under exactly-once the transaction commits on the committer thread; `wait=False` (the
@@ -633,7 +633,9 @@ class Worker:
         self.checkpoint = Checkpoint.fresh()
         self._committing = list(checkpoint.offsets)
         self.uncommitted = [p for p in self.uncommitted if p.isdisjoint(checkpoint.offsets)]
-        outcome = self.strategy.commit(self.consumer, offsets, checkpoint.decoded_tokens, records)
+        outcome = self.strategy.commit(
+            self.consumer, offsets, checkpoint.decoded_tokens, records, in_rebalance_callback
+        )
         self.stats.commit_s += time.perf_counter() - started
         if outcome is None and wait:
             outcome = self.strategy.settle(self.consumer)
@@ -776,7 +778,7 @@ class Worker:
         self.metrics.rebalances.labels(event="revoke").inc()
         if self._commit_on_revoke:
             try:
-                self.commit()
+                self.commit(in_rebalance_callback=True)
             except (KafkaException, FatalWorkerError) as error:
                 self.stats.redone_tokens += self.checkpoint.decoded_tokens
                 log.warning(

@@ -82,7 +82,12 @@ class RecordingStrategy:
         raise failure
 
     def commit(
-        self, consumer: object, offsets: list[TopicPartition], decoded_tokens: int, records: list
+        self,
+        consumer: object,
+        offsets: list[TopicPartition],
+        decoded_tokens: int,
+        records: list,
+        in_rebalance_callback: bool = False,
     ) -> CommitOutcome:
         sent = [(tp.partition, tp.offset) for tp in offsets]
         self.offered.append(sent)
@@ -170,6 +175,30 @@ def test_at_least_once_bounds_an_unanswered_offset_commit_by_its_budget_too() ->
             strategy.commit(consumer, [TopicPartition("in", 0, 10)], 1, [])
     finally:
         consumer.close()
+
+
+class ThreadRecordingConsumer:
+    """Records the thread each offset commit was made on."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        self.threads.append(threading.current_thread())
+
+
+def test_at_least_once_commits_on_the_callers_thread_inside_a_rebalance_callback() -> None:
+    """Outside a callback the commit waits on a thread of its own (bounded); inside the revoke
+    callback a commit from another thread deadlocked (the bench's 2-worker run: the revoke
+    commit waited out its 120 s budget), so there it is made on the callback's thread."""
+    strategy = AtLeastOnce(Deadline())
+    strategy.start(DeliveredProducer(), lambda cause: DeliveredProducer())
+    consumer = ThreadRecordingConsumer()
+    offsets = [TopicPartition("in", 0, 10)]
+    strategy.commit(consumer, offsets, 1, [])
+    strategy.commit(consumer, offsets, 1, [], in_rebalance_callback=True)
+    assert consumer.threads[0] is not threading.current_thread()
+    assert consumer.threads[1] is threading.current_thread()
 
 
 @pytest.fixture
