@@ -60,3 +60,27 @@ def test_deltas_reassembled_by_offset_give_the_completion_after_kill_9(
     for request_id, completion in completions.items():
         if completion["status"] == "ok":
             assert reassemble(deltas.get(request_id, [])) == completion["text"], request_id
+
+
+def test_a_member_giving_partitions_to_a_joiner_commits_them_in_its_revoke_callback(
+    pipeline_run: NewPipelineRun,
+) -> None:
+    """A rebalance under at-least-once: the member giving partitions up commits their offsets in
+    its revoke callback, on the callback's thread. (Made from the bounded commit's own thread,
+    that commit deadlocked until its 120 s budget ended, and the worker exited 1.)"""
+    run = pipeline_run(make_generations(240, seed=23))
+    alos = ["--guarantee", "at-least-once", "--exit-when-idle", "4"]
+    producer = run.paced_replay(rate=40.0)
+    # After its first commit (made at once for a new assignment) the first worker's next one is
+    # a minute away, so the records it handles meanwhile are open when the joiner arrives: its
+    # revoke callback has offsets to commit.
+    first = run.start_worker("first", extra=[*alos, "--commit-interval-ms", "60000"])
+    run.wait_for_first_commit(first, producer)
+    joiner = run.start_worker("joiner", extra=alos)
+    producer.join()
+    codes = {"first": wait_exit(first), "joiner": wait_exit(joiner)}
+    first_log = run.log_of(first).read_text()
+    assert codes == {"first": 0, "joiner": 0}, first_log[-4000:]
+    assert "revoked partitions [" in first_log  # the joiner took some
+    assert "commit on revoke failed" not in first_log
+    assert run.completions() == run.expected
