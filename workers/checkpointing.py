@@ -90,6 +90,16 @@ PRODUCER_STATE_ERRORS = frozenset(
 # An orphaned transaction (a worker killed with a random instance id) blocks read_committed
 # readers until it times out; 30 s bounds that stall.
 TRANSACTION_TIMEOUT_MS = 30_000
+# The coordinator refuses a transaction's first AddPartitionsToTxn and AddOffsetsToTxn with
+# CONCURRENT_TRANSACTIONS until the previous transaction's commit markers are written, which a
+# busy broker takes a few hundred milliseconds to do now and then. librdkafka retries a refused
+# AddOffsetsToTxn after `retry.backoff.ms`, doubling from its default 100 ms: markers done after
+# 150 ms cost the send_offsets_to_transaction that waited for them 100 + 200 ms, and one that
+# took 750 ms (100 + 200 + 400) set a latency run's p99 delay (1,184 ms against 560-843 ms in
+# the same rotation; bench_e2e's latency row, librdkafka debug log "eos"). 20 ms is what Java's
+# producer waits in the same case (`ADD_PARTITIONS_RETRY_BACKOFF_MS`); the doubling up to
+# librdkafka's `retry.backoff.max.ms` (1 s) still spaces out the retries of a longer outage.
+TRANSACTION_RETRY_BACKOFF_MS = 20
 # Offset commits that fail because the group is rebalancing: under at-least-once the partition's
 # next owner (maybe us) re-consumes from the last commit, so these are not fatal.
 REBALANCE_COMMIT_ERRORS = frozenset(
@@ -386,6 +396,7 @@ class ExactlyOnce:
         return {
             "transactional.id": self.transactional_id,
             "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            "retry.backoff.ms": TRANSACTION_RETRY_BACKOFF_MS,
         }
 
     def start(self, producer: Producer, renew: Callable[[str], Producer]) -> None:

@@ -13,6 +13,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from bench import bench_e2e
 from workers import msk_iam
+from workers.checkpointing import AtLeastOnce, Deadline, ExactlyOnce
 from workers.cli import build_parser, main
 from workers.commands.options import connection_from, kafka_config_arguments
 from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection, RefusalWatch
@@ -313,3 +314,16 @@ def test_tls_connections_disable_nagle_unless_told_otherwise() -> None:
     assert tls.client_config({})["socket.nagle.disable"] is True
     told = KafkaConnection("b:1", {"security.protocol": "SSL", "socket.nagle.disable": "false"})
     assert told.client_config({})["socket.nagle.disable"] == "false"
+
+
+def test_transactional_producers_retry_a_refused_transaction_sooner_unless_told_otherwise() -> None:
+    """librdkafka's 100 ms retry backoff, doubling, stretched a send_offsets_to_transaction
+    refused while the previous transaction's markers were written (see
+    TRANSACTION_RETRY_BACKOFF_MS); an exactly-once worker's producer retries after 20 ms, and a
+    `-X retry.backoff.ms` still decides."""
+    settings = {**PRODUCER_DEFAULTS, **ExactlyOnce("detok-g-w0", Deadline()).producer_settings()}
+    assert KafkaConnection("b:1", {}).client_config(settings)["retry.backoff.ms"] == 20
+    told = KafkaConnection("b:1", {"retry.backoff.ms": "250"})
+    assert told.client_config(settings)["retry.backoff.ms"] == "250"
+    at_least_once = {**PRODUCER_DEFAULTS, **AtLeastOnce(Deadline()).producer_settings()}
+    assert "retry.backoff.ms" not in KafkaConnection("b:1", {}).client_config(at_least_once)
