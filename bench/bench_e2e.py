@@ -521,6 +521,7 @@ def latency_run(
     received: dict[tuple[str, int], tuple[float, float]] = {}
     arrivals: list[tuple[int, float, float]] = []  # (partition, created, seen) of each delta
     joining = None
+    every_cpu = os.sched_getaffinity(0)  # before this process is pinned with the broker
     with load_apart_from_worker() as worker_cpus:
         worker = start(command, log, worker_cpus, tree)
         reader_done = threading.Event()
@@ -543,8 +544,12 @@ def latency_run(
             wait_for(lambda: warm_finals <= received.keys(), "the warm-up's deltas")
             if join:
                 # Not pinned: it stands for a worker on another machine, and pinned beside the
-                # first its start-up (loading tokenizers) would stall that one instead.
-                joining = start(join_command, join_log, None, tree)
+                # first its start-up (loading tokenizers) would stall that one instead. Given
+                # every CPU explicitly: a child inherits this process's pin, the broker's core,
+                # and there its start-up starved the broker for seconds; once, past the broker's
+                # 9 s session with its own controller, which fenced it, leaving every partition
+                # without a leader (that run's delay p99: 41 s).
+                joining = start(join_command, join_log, every_cpu, tree)
             produced = _paced_produce(kafka.connection, names.input, events, events_per_s)
             finals = set({k.decode(): s for k, _, s in events}.items())  # the finish: last seq
             wait_for(lambda: finals <= received.keys(), "every request's final delta", bound_s=120)
