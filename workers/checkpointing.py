@@ -87,6 +87,13 @@ PRODUCER_STATE_ERRORS = frozenset(
         KafkaError.INVALID_PRODUCER_ID_MAPPING,
     }
 )
+# A call failing with one of these (fatal) means another producer initialised our transactional
+# id: the worker that now owns its partitions. Nothing may then initialise that id again (a new
+# producer of ours would fence that worker in turn), and nothing is left to abort: the other
+# producer's init_transactions aborted our open transaction.
+FENCED_ERRORS = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+)
 # An orphaned transaction (a worker killed with a random instance id) blocks read_committed
 # readers until it times out; 30 s bounds that stall.
 TRANSACTION_TIMEOUT_MS = 30_000
@@ -341,7 +348,7 @@ class CommitStrategy(Protocol):
 def describe_error(error: KafkaError) -> str:
     """A fatal client error in words: the cause first, the librdkafka text after."""
     code = error.code()
-    if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
+    if code in FENCED_ERRORS:
         cause = "fenced: another worker started with the same transactional id"
     elif code in (
         KafkaError.TOPIC_AUTHORIZATION_FAILED,
@@ -391,6 +398,7 @@ class ExactlyOnce:
         self._in_flight: Future[CommitOutcome] | None = None
         self._sent: _Sent | None = None  # what the transaction in flight holds
         self._lost: ProducerLost | None = None  # set by the committer thread, read by `settle`
+        self._fenced: str | None = None  # the fencing a call reported (see FENCED_ERRORS)
 
     def producer_settings(self) -> dict[str, Any]:
         return {
@@ -448,7 +456,14 @@ class ExactlyOnce:
 
     def abort(self) -> bool:
         """Discard the open transaction's records and open the next one; an abort still not
-        done after ABORT_BUDGET_S replaces the producer."""
+        done after ABORT_BUDGET_S replaces the producer. Nothing to do once fenced: the fencing
+        producer aborted the transaction, and a fenced client refuses every call. (A fenced
+        worker's abort at shutdown got "Conflicting commit_transaction API call is already in
+        progress" for 15 s, then replaced its producer, whose init_transactions fenced the
+        successor: both workers exited 1.)"""
+        if self._fenced is not None:
+            log.info("not aborting: %s", self._fenced)
+            return False
         try:
             try:
                 self._retry_until_done(
@@ -493,6 +508,11 @@ class ExactlyOnce:
         duplicated. Bounded like a commit: a cluster that lets no new producer initialise for
         `commit_timeout_s` is gone, and the worker stops (FatalWorkerError)."""
         assert self._renew is not None and self._calls is not None
+        if self._fenced is not None:
+            raise FatalWorkerError(
+                f"the producer is not replaced ({lost.cause}): {self._fenced}; a new one would "
+                "fence the worker that fenced it"
+            )
         started = time.monotonic()
         while True:
             log.warning("replacing the producer (%s): %s", lost.cause, lost.detail)
@@ -619,6 +639,8 @@ class ExactlyOnce:
                         "producer_state_lost", f"{what} failed: {describe_error(error)}"
                     ) from exception
                 if error.fatal():
+                    if error.code() in FENCED_ERRORS:
+                        self._fenced = describe_error(error)
                     raise FatalWorkerError(f"{what} failed: {describe_error(error)}") from exception
                 if error.txn_requires_abort():
                     raise _MustAbort(error) from exception

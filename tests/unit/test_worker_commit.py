@@ -420,8 +420,11 @@ class ScriptedProducer:
             raise KafkaException(
                 KafkaError(KafkaError._TIMED_OUT, "retry call to resume", retriable=True)
             )
+        if self.abort_error is not None:
+            raise KafkaException(self.abort_error)
 
     abort_stuck = False  # every abort call times out, as after every broker was restarted
+    abort_error: KafkaError | None = None  # raised by every abort call
 
 
 def group_metadata(generation: int, member: bytes = b"member-1") -> bytes:
@@ -572,6 +575,33 @@ def test_a_fencing_stays_fatal_and_replacing_is_bounded(monkeypatch) -> None:
     finally:
         for producer in never_ready:
             producer.release.set()
+        strategy.close()
+
+
+def test_a_fenced_producer_is_neither_aborted_nor_replaced(monkeypatch) -> None:
+    """Once a call reported the fencing, the worker that fenced us owns the transactional id and
+    has aborted our transaction. Seen in the fenced-worker test: the zombie's abort at shutdown
+    got "Conflicting commit_transaction API call is already in progress" for 15 s, then its
+    producer was replaced, and the new one's init_transactions fenced the successor (both
+    exited 1). Now the abort is skipped and no producer is made."""
+    monkeypatch.setattr(checkpointing, "ABORT_BUDGET_S", 0.3)
+    monkeypatch.setattr(checkpointing, "CALL_TIMEOUT_S", 0.05)
+    fenced = ScriptedProducer(KafkaError(KafkaError._FENCED, fatal=True))
+    fenced.abort_error = KafkaError(
+        KafkaError._CONFLICT,
+        "Conflicting commit_transaction API call is already in progress",
+        retriable=True,
+    )
+    renewals = Renewals()
+    strategy = ExactlyOnce("detok-g-w0", Deadline())
+    strategy.start(fenced, renewals)
+    try:
+        with pytest.raises(FatalWorkerError, match="fenced"):
+            commit_once(strategy)
+        assert strategy.abort() is False
+        assert renewals.causes == []
+        assert fenced.calls == ["init", "begin", "offsets", "commit"]
+    finally:
         strategy.close()
 
 
