@@ -103,9 +103,10 @@ TRANSACTION_TIMEOUT_MS = 30_000
 # AddOffsetsToTxn after `retry.backoff.ms`, doubling from its default 100 ms: markers done after
 # 150 ms cost the send_offsets_to_transaction that waited for them 100 + 200 ms, and one that
 # took 750 ms (100 + 200 + 400) set a latency run's p99 delay (1,184 ms against 560-843 ms in
-# the same rotation; bench_e2e's latency row, librdkafka debug log "eos"). 20 ms is what Java's
-# producer waits in the same case (`ADD_PARTITIONS_RETRY_BACKOFF_MS`); the doubling up to
-# librdkafka's `retry.backoff.max.ms` (1 s) still spaces out the retries of a longer outage.
+# the same rotation; bench_e2e's `latency_run`, librdkafka debug log "eos"). 20 ms is what
+# Java's producer waits before retrying a transaction's first AddPartitionsToTxn refused this
+# way (`ADD_PARTITIONS_RETRY_BACKOFF_MS`); the doubling up to librdkafka's `retry.backoff.max.ms`
+# (1 s) still spaces out the retries of a longer outage.
 TRANSACTION_RETRY_BACKOFF_MS = 20
 # Offset commits that fail because the group is rebalancing: under at-least-once the partition's
 # next owner (maybe us) re-consumes from the last commit, so these are not fatal.
