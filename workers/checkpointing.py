@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from queue import SimpleQueue
 from typing import Any, Protocol
 
@@ -696,12 +697,18 @@ class _ProducerCalls:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             call, done = job
-            try:
-                call()
-            except BaseException as error:  # raised in the waiting thread by `run`
-                done.set_exception(error)
-            else:
-                done.set_result(None)
+            _complete(done, call)
+
+
+def _complete(done: Future[None], call: Callable[[], None]) -> None:
+    """Make `call` here, and hand its outcome (its error included) to the thread waiting on
+    `done`: a client call made on a thread of its own, waited for with a bound."""
+    try:
+        call()
+    except BaseException as error:  # raised in the waiting thread
+        done.set_exception(error)
+    else:
+        done.set_result(None)
 
 
 class _RetryWait:
@@ -860,16 +867,10 @@ class AtLeastOnce:
         later, past its 5 s shutdown deadline). Left behind on its thread, the call ends when
         the consumer is closed, which answers it `_WAIT_COORD`."""
         done: Future[None] = Future()
-
-        def commit() -> None:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-            except BaseException as error:  # raised in the waiting thread
-                done.set_exception(error)
-            else:
-                done.set_result(None)
-
-        threading.Thread(target=commit, daemon=True, name="detok-offset-commit").start()
+        commit = partial(consumer.commit, offsets=offsets, asynchronous=False)
+        threading.Thread(
+            target=_complete, args=(done, commit), daemon=True, name="detok-offset-commit"
+        ).start()
         while True:
             timeout = self.deadline.remaining(min(CALL_TIMEOUT_S, budget_end - time.monotonic()))
             if timeout <= 0:
