@@ -51,6 +51,16 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
 # with TCP_NODELAY (what Java clients always set) 0.5 s (bench_e2e --sasl-ssl). Plaintext
 # connections keep librdkafka's default: unmeasured there, so unchanged. `-X` overrides it.
 TLS_DEFAULTS: Mapping[str, Any] = {"socket.nagle.disable": True}
+# Every client's first requests waited ~50 ms for nothing: once the first metadata names the
+# cluster's brokers, librdkafka drops the bootstrap connection (the metadata request in flight
+# on it fails, "Broker handle destroyed"), and its next connection to any broker is held back
+# for half of `reconnect.backoff.ms` ("Not selecting any broker for cluster connection: still
+# suppressed for 49ms", debug=broker). A fresh client's first metadata took 53-54 ms against a
+# local broker, with this 1-14 ms: the changelog restore makes a fresh consumer per assignment,
+# and a joining worker's restore of an empty changelog took ~0.1 s. The cost: a client retries a
+# broker that went away from 10 ms, doubling up to `reconnect.backoff.max.ms` (10 s) as before,
+# so three more attempts per outage. `-X` overrides it.
+CLIENT_DEFAULTS: Mapping[str, Any] = {"reconnect.backoff.ms": 10}
 # While librdkafka's local queue is full, `produce` raises BufferError; waiting this long for it
 # to send lets the queue drain without spinning.
 QUEUE_FULL_WAIT_S = 0.05
@@ -102,6 +112,7 @@ class KafkaConnection:
         protocol = str(self.properties.get("security.protocol", "")).upper()
         return {
             "bootstrap.servers": self.bootstrap_servers,
+            **CLIENT_DEFAULTS,
             **(TLS_DEFAULTS if protocol in ("SSL", "SASL_SSL") else {}),
             **(watch if start_up else {}),
             **settings,

@@ -316,6 +316,17 @@ def test_tls_connections_disable_nagle_unless_told_otherwise() -> None:
     assert told.client_config({})["socket.nagle.disable"] == "false"
 
 
+def test_every_client_reconnects_sooner_unless_told_otherwise() -> None:
+    """librdkafka holds a new client's second connection (to the broker its first metadata
+    named) for half of `reconnect.backoff.ms`: 50 ms at its default, paid by every fresh client,
+    the changelog restore's included (see CLIENT_DEFAULTS). Every client made here starts at
+    10 ms, and a `-X reconnect.backoff.ms` still decides."""
+    for settings in ({}, {"group.id": "g"}, PRODUCER_DEFAULTS):
+        assert KafkaConnection("b:1", {}).client_config(settings)["reconnect.backoff.ms"] == 10
+    told = KafkaConnection("b:1", {"reconnect.backoff.ms": "100"})
+    assert told.client_config({}, start_up=True)["reconnect.backoff.ms"] == "100"
+
+
 def test_transactional_producers_retry_a_refused_transaction_sooner_unless_told_otherwise() -> None:
     """librdkafka's 100 ms retry backoff, doubling, stretched a send_offsets_to_transaction
     refused while the previous transaction's markers were written (see
