@@ -858,14 +858,17 @@ class Worker:
         """Restore the partitions assigned (or rolled back) during the last consume, then pass
         on the batch; records of partitions left unrestored (a stop during the restore) are
         dropped, never handled without their state: uncommitted, they are consumed again by
-        whoever owns the partition next."""
-        self._restore()
-        if not self.restoring:
+        whoever owns the partition next. So are those of partitions started over at their
+        beginning (`_start_uncommitted`), which are fetched again."""
+        started_over = self._restore()
+        unhandled = self.restoring | started_over
+        if not unhandled:
             return messages
-        return [m for m in messages if m.partition() not in self.restoring]
+        return [m for m in messages if m.partition() not in unhandled]
 
-    def _restore(self) -> None:
-        """Rebuild the state of the restoring partitions from the changelog.
+    def _restore(self) -> set[int]:
+        """Rebuild the state of the restoring partitions from the changelog; returns the
+        partitions `_start_uncommitted` sent back to their beginning.
 
         Guarded per changelog record (workers/changelog.py): a record that cannot be restored
         fails its request, goes to the dead-letter topic, and is counted; the rest restore.
@@ -878,6 +881,7 @@ class Worker:
             committed = settled_commits(
                 self.consumer, self.topics.input, partitions, lambda: self.stop.requested
             )
+            started_over = self._start_uncommitted(committed)
             committed_input = committed if self.strategy.restore_skips_ahead_of_commit else None
             latest = read_latest(
                 self.connection,
@@ -889,7 +893,7 @@ class Worker:
             )
         except RestoreInterrupted as interrupted:
             log.info("%s; leaving them unrestored", interrupted)
-            return
+            return set()
         restored = apply_latest(latest, self.processor, committed_input)
         del latest  # a million records, for a million open requests: freed before going on
         self.owners.update(restored.owners)
@@ -912,6 +916,31 @@ class Worker:
             time.process_time() - cpu_started,
             len(restored.failed),
         )
+        return started_over
+
+    def _start_uncommitted(self, committed: dict[int, int]) -> set[int]:
+        """Start the partitions the group never committed at their beginning now; returns those.
+
+        librdkafka resets a partition without a committed offset (`auto.offset.reset`,
+        earliest) only when an offset query timer fires, 100 ms after the assignment (debug
+        `topic`: "backoff: (re)starting offset query timer"), so a new group's first records
+        came ~0.1 s after its restore for nothing; a seek to the beginning fetches at once
+        (first records 6-8 ms after the assignment instead of 104 ms). Its records already in
+        the batch being restored (fetched before the seek) are dropped by the caller: the seek
+        fetches them again, and none was handled. A seek that fails leaves the partition to
+        librdkafka's reset, and its records in the batch are kept.
+        """
+        started_over = set()
+        for partition, offset in committed.items():
+            if offset >= 0:
+                continue
+            try:
+                self.consumer.seek(TopicPartition(self.topics.input, partition, OFFSET_BEGINNING))
+            except KafkaException as error:
+                log.debug("partition %d starts at librdkafka's reset: %s", partition, error)
+                continue
+            started_over.add(partition)
+        return started_over
 
 
 def _message(error: BaseException) -> str:

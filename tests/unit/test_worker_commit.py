@@ -11,11 +11,17 @@ the same against a real broker).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_INVALID,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 from prometheus_client import generate_latest
 
 from pipeline.tokenizer_registry import TokenizerRegistry
@@ -363,20 +369,65 @@ def test_a_batch_is_handled_only_after_its_partitions_are_restored(worker, monke
     batch = [FakeMessage(b"a", partition_number=0), FakeMessage(b"b", partition_number=1)]
     calls: list[list[int]] = []
 
-    def restore_all() -> None:
+    def restore_all(started_over: set[int]) -> Callable[[], set[int]]:
+        def restore() -> set[int]:
+            calls.append(sorted(worker.restoring))
+            worker.restoring.clear()
+            return started_over
+
+        return restore
+
+    def stopped_while_restoring() -> set[int]:
         calls.append(sorted(worker.restoring))
-        worker.restoring.clear()
+        return set()
 
     worker.assigned = {0, 1}
     worker._begin_restore([1])
-    monkeypatch.setattr(worker, "_restore", restore_all)
+    monkeypatch.setattr(worker, "_restore", restore_all(set()))
     assert worker._restore_before_handling(batch) == batch
     assert calls == [[1]]
 
     worker._begin_restore([1])
-    monkeypatch.setattr(worker, "_restore", lambda: calls.append(sorted(worker.restoring)))
+    monkeypatch.setattr(worker, "_restore", stopped_while_restoring)
     assert [m.partition() for m in worker._restore_before_handling(batch)] == [0]
     assert calls[-1] == [1]
+
+    # A partition the restore started over at its beginning is fetched again from there, so
+    # its records in this batch are not handled now.
+    worker.restoring.clear()
+    worker._begin_restore([1])
+    monkeypatch.setattr(worker, "_restore", restore_all({1}))
+    assert [m.partition() for m in worker._restore_before_handling(batch)] == [0]
+
+
+class SeekingConsumer:
+    """Records the worker's seeks; a seek of a partition in `refuse` raises, as librdkafka's
+    does for a partition in a state it cannot seek."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        self.refuse = refuse
+        self.seeks: list[tuple[int, int]] = []
+
+    def seek(self, partition: TopicPartition) -> None:
+        if partition.partition in self.refuse:
+            raise KafkaException(KafkaError(KafkaError._STATE, "erroneous state"))
+        self.seeks.append((partition.partition, partition.offset))
+
+
+def test_partitions_the_group_never_committed_start_at_their_beginning_at_once(worker) -> None:
+    """librdkafka starts a partition without a committed offset only when its offset query
+    timer fires, 100 ms after the assignment; the restore seeks those partitions to their
+    beginning (what `auto.offset.reset=earliest` would choose) and reports them, so the caller
+    drops their records fetched before the seek. Committed partitions are left where they are,
+    and a partition whose seek fails is not reported: its fetched records are kept."""
+    consumer = SeekingConsumer(refuse={3})
+    real_consumer, worker.consumer = worker.consumer, consumer
+    try:
+        started_over = worker._start_uncommitted({0: 42, 1: OFFSET_INVALID, 2: 0, 3: -1001})
+    finally:
+        worker.consumer = real_consumer
+    assert consumer.seeks == [(1, OFFSET_BEGINNING)]
+    assert started_over == {1}
 
 
 class ScriptedProducer:
@@ -673,7 +724,7 @@ def test_an_assignments_first_records_commit_without_waiting_for_the_interval(
     strategy = RecordingStrategy()
     strategy.refuse = False
     worker.strategy = strategy
-    monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear())
+    monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear() or set())
 
     def assign() -> list:
         worker._on_assign(consumer, [TopicPartition(worker.topics.input, 0)])
@@ -713,9 +764,10 @@ def test_a_rebalance_callback_is_followed_by_one_metadata_request_after_any_rest
     after a restore, which a new assignment's first output waits for), so the group's next
     round is not held up. Steps without a callback ask nothing."""
 
-    def restore() -> None:
+    def restore() -> set[int]:
         consumer.calls.append("restore")
         worker.restoring.clear()
+        return set()
 
     monkeypatch.setattr(worker, "_restore", restore)
 
@@ -747,7 +799,7 @@ def test_an_unassigned_loop_wakes_the_group_thread_once_per_notice_interval(
     however many steps run in between; with partitions it makes no such call."""
     clock = [1000.0]
     monkeypatch.setattr("workers.worker.time.monotonic", lambda: clock[0])
-    monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear())
+    monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear() or set())
     consumer = ScriptedConsumer(worker, [[] for _ in range(7)])
     real_consumer, worker.consumer = worker.consumer, consumer
     try:
