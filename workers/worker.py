@@ -111,10 +111,13 @@ REBALANCE_NOTICE_MS = 100
 # second. A member with no partitions (a joining worker between the two rounds) has nothing that
 # wakes it: its heartbeats came 400-500 ms apart, and it noticed the second round that long
 # after the others had started it (its librdkafka debug log: sync at t, next heartbeat at
-# t + 0.50 s, "rebalance in progress"). So while it has no partitions the loop wakes that thread
-# once per notice interval with the cheapest request it serves (reading the assignment: ~20 us),
-# and each heartbeat goes out when due. A member with partitions is woken by its own fetches
-# (its heartbeats came 100-225 ms apart), and its loop, the latency path, makes no such call.
+# t + 0.50 s, "rebalance in progress"). So the loop wakes that thread once per notice interval
+# with the cheapest request it serves (reading the assignment: ~20 us), and each heartbeat goes
+# out when due. A member with partitions was thought to be woken by its own fetches, but those
+# stop while its prefetch queue is full, which is all the time it drains a backlog: the running
+# member of a two-worker drain heartbeat 100-310 ms apart (debug `cgrp`), so it heard of the
+# joining worker up to 0.3 s late, and the joiner's first round waited for that. So the loop
+# wakes the thread whether or not it has partitions: ten calls a second, ~0.2 ms of them.
 GROUP_THREAD_WAKE_S = REBALANCE_NOTICE_MS / 1000
 # Bounds the metadata request that follows a rebalance callback (`Worker._rejoin_promptly`): a
 # live broker answers in milliseconds; if none does, the loop goes on without it.
@@ -404,8 +407,7 @@ class Worker:
         if due_in <= 0 and self.strategy.committing():
             due_in = SETTLE_POLL_S  # not 0: that would spin until the transaction ends
         wait = CONSUME_WAIT_S if self.assigned else UNASSIGNED_WAIT_S
-        if not self.assigned:
-            self._wake_group_thread()
+        self._wake_group_thread()
         consume_started = time.perf_counter()
         messages = self.consumer.consume(self.settings.max_batch, min(wait, max(due_in, 0.0)))
         if self.restoring:

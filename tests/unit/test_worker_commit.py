@@ -790,17 +790,16 @@ def test_a_rebalance_callback_is_followed_by_one_metadata_request_after_any_rest
     assert consumer.calls == [f"metadata of {topic}", "restore", f"metadata of {topic}"]
 
 
-def test_an_unassigned_loop_wakes_the_group_thread_once_per_notice_interval(
-    worker, monkeypatch
-) -> None:
-    """librdkafka heartbeats only when its main thread wakes, and an unassigned member's slept
-    up to half a second, so it noticed a rebalance's second round late. While unassigned the
-    loop reads the assignment (a request that thread serves) once per REBALANCE_NOTICE_MS,
-    however many steps run in between; with partitions it makes no such call."""
+def test_the_loop_wakes_the_group_thread_once_per_notice_interval(worker, monkeypatch) -> None:
+    """librdkafka heartbeats only when its main thread wakes, and that thread slept up to half a
+    second in an unassigned member and up to 0.3 s in one draining a backlog (its fetches stop
+    while its prefetch queue is full), so members noticed rebalances late. The loop reads the
+    assignment (a request that thread serves) once per REBALANCE_NOTICE_MS, however many steps
+    run in between, with partitions or without."""
     clock = [1000.0]
     monkeypatch.setattr("workers.worker.time.monotonic", lambda: clock[0])
     monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear() or set())
-    consumer = ScriptedConsumer(worker, [[] for _ in range(7)])
+    consumer = ScriptedConsumer(worker, [[] for _ in range(8)])
     real_consumer, worker.consumer = worker.consumer, consumer
     try:
         for _ in range(3):
@@ -811,9 +810,11 @@ def test_an_unassigned_loop_wakes_the_group_thread_once_per_notice_interval(
             worker._step()
         assert consumer.assignment_reads == 2, "the next interval wakes it again"
         worker.assigned.add(0)
+        worker._step()
+        assert consumer.assignment_reads == 2, "a member with partitions: once per interval too"
         clock[0] += GROUP_THREAD_WAKE_S
         worker._step()
-        assert consumer.assignment_reads == 2, "a member with partitions is not woken"
+        assert consumer.assignment_reads == 3, "a member with partitions is woken as well"
     finally:
         worker.consumer = real_consumer
 
