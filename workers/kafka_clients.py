@@ -61,6 +61,17 @@ TLS_DEFAULTS: Mapping[str, Any] = {"socket.nagle.disable": True}
 # broker that went away from 10 ms, doubling up to `reconnect.backoff.max.ms` (10 s) as before,
 # so three more attempts per outage. `-X` overrides it.
 CLIENT_DEFAULTS: Mapping[str, Any] = {"reconnect.backoff.ms": 10}
+# librdkafka stops fetching while its local queue holds `queued.min.messages` (100,000) records or
+# `queued.max.messages.kbytes`, and then waits `fetch.queue.backoff.ms` (1 s by default) before it
+# looks again, however fast the queue drains. For a subscribed or assigned consumer the queue is
+# the consumer's one queue, so the limits count every partition's records together. A restore
+# reading a million changelog heads (~370 bytes each) filled it to 100,000 records every few
+# tenths of a second and then sat on an empty queue: 622 of its 5 ms `consume` calls came back
+# empty, and reading took 7.5-8.6 s against 3.9-4.2 s with the fetch decided again after 10 ms
+# (same CPU). The worker's own consumer stops at its 16 MB the same way while it drains a backlog,
+# but it has not starved there: a full `bench_e2e` drain took the same time either way, its
+# queue lasting longer than the second. `-X` overrides it.
+CONSUMER_DEFAULTS: Mapping[str, Any] = {"fetch.queue.backoff.ms": 10}
 # While librdkafka's local queue is full, `produce` raises BufferError; waiting this long for it
 # to send lets the queue drain without spinning.
 QUEUE_FULL_WAIT_S = 0.05
@@ -198,7 +209,9 @@ def as_connection(connection: KafkaConnection | str) -> KafkaConnection:
 def make_consumer(
     connection: KafkaConnection, settings: Mapping[str, Any], *, start_up: bool = False
 ) -> Consumer:
-    """A consumer; `start_up` for a short command's reader (see `RefusalWatch`)."""
+    """A consumer with detok's defaults under `settings`; `start_up` for a short command's
+    reader (see `RefusalWatch`)."""
+    settings = {**CONSUMER_DEFAULTS, **settings}
     return Consumer(connection.client_config(settings, start_up=start_up))
 
 

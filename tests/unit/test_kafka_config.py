@@ -4,9 +4,13 @@ refusal of settings detok's guarantees depend on, redaction of secrets, OAUTHBEA
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import types
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -16,7 +20,13 @@ from workers import msk_iam
 from workers.checkpointing import AtLeastOnce, Deadline, ExactlyOnce
 from workers.cli import build_parser, main
 from workers.commands.options import connection_from, kafka_config_arguments
-from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection, RefusalWatch
+from workers.kafka_clients import (
+    PRODUCER_DEFAULTS,
+    KafkaConnection,
+    RefusalWatch,
+    make_consumer,
+    make_producer,
+)
 from workers.kafka_config import (
     CONFIG_FILE_ENV,
     LEGACY_JSON_ENV,
@@ -325,6 +335,39 @@ def test_every_client_reconnects_sooner_unless_told_otherwise() -> None:
         assert KafkaConnection("b:1", {}).client_config(settings)["reconnect.backoff.ms"] == 10
     told = KafkaConnection("b:1", {"reconnect.backoff.ms": "100"})
     assert told.client_config({}, start_up=True)["reconnect.backoff.ms"] == "100"
+
+
+def client_settings(
+    make: Callable[..., Any], connection: KafkaConnection, settings: dict[str, Any]
+) -> str:
+    """The configuration librdkafka itself reports for a client `make` creates (`debug=conf`
+    logs every setting that differs from its default when the client is made; no broker needed)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(f"test.client-settings.{uuid.uuid4().hex}")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    client = make(connection, {**settings, "debug": "conf", "logger": logger})
+    (client.close if hasattr(client, "close") else client.flush)()
+    return "\n".join(lines)
+
+
+GROUP = {"group.id": "g"}
+
+
+def test_every_consumer_fetches_again_soon_after_its_queue_drains_unless_told_otherwise() -> None:
+    """librdkafka waits `fetch.queue.backoff.ms` (1 s by default) before it fetches again once
+    its local queue reached `queued.min.messages`: a restore of a million changelog heads sat on
+    an empty queue for half of its reading (see CONSUMER_DEFAULTS). Every consumer detok makes
+    decides again after 10 ms, as librdkafka reports its own configuration; a
+    `-X fetch.queue.backoff.ms` still decides, and producers (for which librdkafka ignores the
+    setting, with a warning) are not given it."""
+    plain = KafkaConnection("127.0.0.1:1", {})
+    assert "fetch.queue.backoff.ms = 10\n" in client_settings(make_consumer, plain, GROUP) + "\n"
+    told = KafkaConnection("127.0.0.1:1", {"fetch.queue.backoff.ms": "500"})
+    assert "fetch.queue.backoff.ms = 500" in client_settings(make_consumer, told, GROUP)
+    assert "fetch.queue.backoff.ms" not in client_settings(make_producer, plain, {})
 
 
 def test_transactional_producers_retry_a_refused_transaction_sooner_unless_told_otherwise() -> None:
