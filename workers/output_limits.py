@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import ConfigResource, ResourceType
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
 from workers.kafka_clients import KafkaConnection, make_admin
 from workers.topic_names import TopicNames
@@ -40,6 +41,11 @@ HELD_SHARE_OF_LIMIT = 4
 LIBRDKAFKA_MAX_MESSAGE_BYTES = 1_000_000_000
 # Bounds each wait for the broker's answer, so a stop request is noticed between waits.
 POLL_S = 0.5
+# A topic reaches each broker of a cluster a moment after it is created: `detok topics ensure`
+# returns once one broker shows it, and the broker answering the worker may not know it yet (a CI
+# run once saw this on a broker restarted seconds before). A topic still unknown after this grace
+# is missing; the grace only delays the refusal of a worker whose topic truly does not exist.
+NEW_TOPIC_GRACE_S = 5.0
 
 
 class TopicLimitError(Exception):
@@ -111,35 +117,61 @@ def read_output_limits(
     """Each pipeline topic's effective `max.message.bytes`.
 
     Raises TopicsUnavailable when a topic does not exist or the broker does not answer within
-    `timeout_s` (or a stop is requested first): every later wait of the worker assumes both.
+    `timeout_s` (or a stop is requested first): every later wait of the worker assumes both. A
+    topic the answering broker does not know is asked about again for NEW_TOPIC_GRACE_S first.
     """
     topics = list(dict.fromkeys(names.model_dump().values()))
     admin = make_admin(connection)
     deadline = time.monotonic() + timeout_s
-    futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in topics])
+    grace_ends = time.monotonic() + min(NEW_TOPIC_GRACE_S, timeout_s)
     limits: dict[str, int] = {}
-    for resource, future in futures.items():
-        while not future.done():
-            admin.poll(0)  # serves RefusalWatch: a refused login ends the wait, named
-            if should_stop():
-                raise TopicsUnavailable("stopped while reading the topic configurations")
-            if time.monotonic() > deadline:
-                raise TopicsUnavailable(
-                    f"Kafka at {connection.bootstrap_servers} did not answer within "
-                    f"{timeout_s:.0f} s (is the broker up and reachable?)"
-                )
-            time.sleep(POLL_S / 10)
-        try:
-            configs = future.result()
-        except KafkaException as exception:
-            if exception.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
-                raise TopicsUnavailable(
-                    f"not authorized to describe the configuration of topic {resource.name} "
-                    "(DESCRIBE_CONFIGS; `detok acls grant --role worker` grants the worker's ACLs)"
-                ) from None
+    while True:
+        pending = [t for t in topics if t not in limits]
+        futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in pending])
+        for resource, future in futures.items():
+            _await_answer(admin, future, connection, timeout_s, deadline, should_stop)
+            try:
+                configs = future.result()
+            except KafkaException as exception:
+                code = exception.args[0].code()
+                if code == KafkaError.UNKNOWN_TOPIC_OR_PART and time.monotonic() < grace_ends:
+                    continue
+                raise _unusable(resource.name, exception.args[0]) from None
+            limits[resource.name] = int(configs["max.message.bytes"].value)
+        if len(limits) == len(topics):
+            return OutputLimits({t: limits[t] for t in topics})
+        if should_stop():
+            raise TopicsUnavailable("stopped while reading the topic configurations")
+        time.sleep(POLL_S / 10)
+
+
+def _await_answer(
+    admin: AdminClient,
+    future: Future,
+    connection: KafkaConnection,
+    timeout_s: float,
+    deadline: float,
+    should_stop: Callable[[], bool],
+) -> None:
+    while not future.done():
+        admin.poll(0)  # serves RefusalWatch: a refused login ends the wait, named
+        if should_stop():
+            raise TopicsUnavailable("stopped while reading the topic configurations")
+        if time.monotonic() > deadline:
             raise TopicsUnavailable(
-                f"topic {resource.name} is not usable: {exception.args[0].str()} (does it "
-                "exist? create the pipeline's topics with `detok topics ensure`)"
-            ) from None
-        limits[resource.name] = int(configs["max.message.bytes"].value)
-    return OutputLimits(limits)
+                f"Kafka at {connection.bootstrap_servers} did not answer within "
+                f"{timeout_s:.0f} s (is the broker up and reachable?)"
+            )
+        time.sleep(POLL_S / 10)
+
+
+def _unusable(topic: str, error: KafkaError) -> TopicsUnavailable:
+    if error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        return TopicsUnavailable(
+            f"not authorized to describe the configuration of topic {topic} "
+            "(DESCRIBE_CONFIGS; `detok acls grant --role worker` grants the worker's ACLs)"
+        )
+    return TopicsUnavailable(
+        f"topic {topic} is not usable: {error.str()} (does it "
+        "exist? create the pipeline's topics with `detok topics ensure`)"
+    )

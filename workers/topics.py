@@ -119,7 +119,7 @@ def required_message_limits(names: TopicNames, input_limit: int) -> dict[str, in
 
 def message_limit(admin: AdminClient, topic: str, timeout_s: float = ADMIN_TIMEOUT_S) -> int:
     """The `max.message.bytes` a topic accepts (its own setting, else the broker's)."""
-    return int(_configs(admin, [topic], timeout_s)[topic][MAX_MESSAGE_BYTES])
+    return int(topic_configs(admin, [topic], timeout_s)[topic][MAX_MESSAGE_BYTES])
 
 
 def ensure_topics(
@@ -229,7 +229,7 @@ def _create(
 
 def _raise_limits(admin: AdminClient, limits: Mapping[str, int]) -> tuple[str, ...]:
     """Raise `max.message.bytes` of existing topics that are below `limits`; the topics raised."""
-    current = _configs(admin, list(limits))
+    current = topic_configs(admin, list(limits))
     too_low = [
         name for name, limit in limits.items() if int(current[name][MAX_MESSAGE_BYTES]) < limit
     ]
@@ -265,7 +265,7 @@ def _await_limits(admin: AdminClient, limits: Mapping[str, int]) -> None:
     """
     deadline = time.monotonic() + ADMIN_TIMEOUT_S
     while True:
-        current = _configs(admin, list(limits))
+        current = topic_configs(admin, list(limits))
         short = [n for n, limit in limits.items() if int(current[n][MAX_MESSAGE_BYTES]) < limit]
         if not short:
             return
@@ -298,7 +298,7 @@ def _validate(
             "lives in changelog partition p)"
         )
     compacted_existing = [name for name in names.compacted if name in existing]
-    for name, config in _configs(admin, compacted_existing).items():
+    for name, config in topic_configs(admin, compacted_existing).items():
         policy = config["cleanup.policy"]
         if "compact" not in policy.split(","):
             problems.append(f"{name} must be compacted (cleanup.policy=compact), has {policy!r}")
@@ -314,7 +314,7 @@ def _partition_counts(admin: AdminClient, topics: list[str]) -> dict[str, int]:
     }
 
 
-def _configs(
+def topic_configs(
     admin: AdminClient, topics: Iterable[str], timeout_s: float = ADMIN_TIMEOUT_S
 ) -> dict[str, dict[str, str]]:
     """Each topic's effective configuration (its own settings over the broker's defaults).

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from tests.integration.conftest import WAIT_BOUND_S, free_port_pair, unique_name
 from tests.integration.worker_harness import pipeline_topics, start_worker, wait_exit
 from workers.changelog import RestoreInterrupted, read_latest
 from workers.kafka_clients import KafkaConnection
+from workers.output_limits import read_output_limits
 from workers.topic_names import TopicNames
+from workers.topics import OUTPUT_MAX_MESSAGE_BYTES, ensure_topics
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +61,25 @@ def test_a_missing_topic_is_named_and_the_worker_exits(
     log = worker_log(tmp_path)
     assert f"topic {missing} is not usable" in log and "detok topics ensure" in log
     assert "Traceback" not in log
+
+
+def test_topics_created_a_moment_after_the_worker_asks_are_read_not_called_missing(
+    kafka_bootstrap: str,
+) -> None:
+    """A broker of a cluster learns of a new topic a moment after `detok topics ensure` returns
+    (a CI run saw UNKNOWN_TOPIC_OR_PART from a broker restarted seconds before): the worker asks
+    again for a few seconds before calling a topic missing. Here the topics appear after 1 s."""
+    names = TopicNames.with_prefix(unique_name("wt"))
+    creator = threading.Timer(1.0, ensure_topics, (kafka_bootstrap, names, 1))
+    creator.start()
+    try:
+        limits = read_output_limits(
+            KafkaConnection(kafka_bootstrap), names, WAIT_BOUND_S, lambda: False
+        )
+    finally:
+        creator.join()
+    assert set(limits.limits) == set(names.model_dump().values())
+    assert limits.limits[names.deltas] == OUTPUT_MAX_MESSAGE_BYTES
 
 
 def test_a_dead_letter_topic_smaller_than_the_input_allows_is_refused(
