@@ -93,6 +93,14 @@ AUTHORIZATION_ERRORS = frozenset(
 # Metadata is asked for in slices this long, so a refused connection is noticed between them;
 # a live cluster answers the first slice in milliseconds.
 METADATA_SLICE_S = 0.5
+# A topic reaches each broker of a cluster a moment after it is created: `detok topics ensure`
+# returns once one broker shows it, and the broker a command asks next may not know it yet (a CI
+# run saw UNKNOWN_TOPIC_OR_PART from a broker restarted seconds before). A topic is asked about
+# again for this long before it is called missing; that only delays the refusal of a command
+# whose topic truly does not exist.
+NEW_TOPIC_GRACE_S = 5.0
+# How long to wait between two asks about a topic not known yet.
+NEW_TOPIC_RETRY_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -357,10 +365,19 @@ def topic_partitions(
 ) -> list[int]:
     """The partition ids of `topic`, asked of the cluster within `timeout_s`.
 
-    Raises KafkaUnavailable when no broker answers and UnknownTopic when the topic does not exist,
-    so a command says which of the two it met instead of producing into the void or waiting.
+    Raises KafkaUnavailable when no broker answers and UnknownTopic when the topic does not exist
+    (still unknown after NEW_TOPIC_GRACE_S), so a command says which of the two it met instead of
+    producing into the void or waiting.
     """
-    found = cluster_metadata(client, timeout_s, topic).topics.get(topic)
+    grace_ends = time.monotonic() + NEW_TOPIC_GRACE_S
+    while True:
+        found = cluster_metadata(client, timeout_s, topic).topics.get(topic)
+        unknown = found is None or (
+            found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+        )
+        if not unknown or time.monotonic() > grace_ends:
+            break
+        time.sleep(NEW_TOPIC_RETRY_S)
     if (
         found is not None
         and found.error is not None

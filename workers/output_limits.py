@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
-from workers.kafka_clients import KafkaConnection, make_admin
+from workers.kafka_clients import (
+    NEW_TOPIC_GRACE_S,
+    NEW_TOPIC_RETRY_S,
+    KafkaConnection,
+    make_admin,
+)
 from workers.topic_names import TopicNames
 
 # What a record costs beyond its key, value and header bytes: the record batch header (61 bytes),
@@ -41,11 +46,6 @@ HELD_SHARE_OF_LIMIT = 4
 LIBRDKAFKA_MAX_MESSAGE_BYTES = 1_000_000_000
 # Bounds each wait for the broker's answer, so a stop request is noticed between waits.
 POLL_S = 0.5
-# A topic reaches each broker of a cluster a moment after it is created: `detok topics ensure`
-# returns once one broker shows it, and the broker answering the worker may not know it yet (a CI
-# run once saw this on a broker restarted seconds before). A topic still unknown after this grace
-# is missing; the grace only delays the refusal of a worker whose topic truly does not exist.
-NEW_TOPIC_GRACE_S = 5.0
 
 
 class TopicLimitError(Exception):
@@ -142,7 +142,7 @@ def read_output_limits(
             return OutputLimits({t: limits[t] for t in topics})
         if should_stop():
             raise TopicsUnavailable("stopped while reading the topic configurations")
-        time.sleep(POLL_S / 10)
+        time.sleep(NEW_TOPIC_RETRY_S)
 
 
 def _await_answer(

@@ -9,14 +9,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import unique_name
 from tests.integration.worker_harness import read_topic
+from workers.replay import replay
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +64,29 @@ def test_replay_to_a_missing_topic_says_so(kafka_bootstrap: str, tmp_path: Path)
     assert result.returncode == 1
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
     assert "replayed" not in result.stdout
+
+
+def test_a_topic_created_a_moment_after_replay_asks_is_used_not_called_missing(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """`detok topics ensure` returns once one broker of a cluster shows the new topic; the broker
+    `replay` asks next may learn of it a moment later. Here the topic appears 1 s after `replay`
+    first asks: it asks again, then delivers, instead of saying the topic does not exist."""
+    source = write_generations(tmp_path / "in.jsonl", {"a": 3, "b": 5})
+    topic = unique_name("late")
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+
+    def create() -> None:
+        admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(timeout=30)
+
+    creator = threading.Timer(1.0, create)
+    creator.start()
+    try:
+        totals = replay(kafka_bootstrap, source, topic, chunk_size=2, progress=False)
+    finally:
+        creator.join()
+    assert (totals.requests, totals.events) == (2, 8)  # prompt, two chunks of 2, finish
+    assert sorted(request_ids_on(kafka_bootstrap, topic)) == ["a"] * 4 + ["b"] * 4
 
 
 def test_an_event_over_the_topic_limit_is_counted_and_its_batch_mates_arrive(
