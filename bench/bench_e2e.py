@@ -16,7 +16,8 @@ or one this script starts), with real tokenizers:
               rate; delay from each event's produce time to the moment a read_committed reader
               receives the delta covering it (p50/p99; median run of three, and the same at
               a quarter of the rate); the worker gets a core of its own, the paced producer,
-              the reader and the broker share the other (`load_apart_from_worker`);
+              the reader and the broker share the other (`load_apart_from_worker`); the
+              runs' topics are made 10 s ahead (`TOPIC_SETTLE_S`);
   scale out   the 2-worker rows against the 1-worker rows (target: >= 1.0x), and the timeline of
               the worker assigned partitions last; then a worker joining a group already running
               at a quarter of the rate: when its first output became visible to a reader after
@@ -50,7 +51,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
@@ -68,6 +69,7 @@ from schemas.events import LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import parse_event
 from workers.broker import (
+    DEFAULT_DATA_DIR,
     DEFAULT_PORT,
     LOOPBACK,
     answers_metadata,
@@ -101,6 +103,17 @@ READER_WAIT_S = 0.01
 # A join run lasts at least this long, so the joining worker (seconds of start-up: tokenizers,
 # group join) joins while the load still runs.
 JOIN_RUN_S = 15.0
+# The latency and join runs' topics are created together, before the first of those runs, and
+# the first waits until they are this old. Created just before its worker (as they were), a
+# run's fresh partitions cost it one stall in the local broker: a transaction's commit markers
+# took 0.2-0.9 s to append (the broker's debug log: "Produce to local log in 808 ms" for one
+# WriteTxnMarkers request; JFR: its request handler inside OffsetIndex.append, the first writes
+# to the new partitions' memory-mapped index), every later transaction waited for them
+# (CONCURRENT_TRANSACTIONS), and so did every delta meanwhile: that stall was the run's p99.
+# Paired on this machine, five runs each at half the `--quick` rate: p99 468-1,017 ms with
+# fresh topics, 407-450 ms with topics made 8 s earlier, 365-455 ms 30 s earlier. A deployment's
+# topics are not seconds old, so the delay measured is the worker's, not the new partitions'.
+TOPIC_SETTLE_S = 10.0
 # A run that takes longer than this is stuck (the full run drains in well under a minute).
 WAIT_BOUND_S = 600.0
 DEFAULT_TOKENIZERS = ("gpt2", "llama-spm", "qwen2-from-tiktoken")
@@ -243,6 +256,9 @@ class Kafka:
 
     connection: KafkaConnection
     config_flags: tuple[str, ...] = ()
+    # The local broker's state directory (`detok broker start --data-dir`): where its process is
+    # found, to pin it beside the load generator (`load_apart_from_worker`).
+    broker_dir: Path = DEFAULT_DATA_DIR
 
 
 def kafka_from(args: argparse.Namespace) -> Kafka:
@@ -256,8 +272,9 @@ def kafka_from(args: argparse.Namespace) -> Kafka:
     given = args.bootstrap_servers or args.kafka_config_file or args.kafka_overrides
     local = not (given or os.environ.get(CONFIG_FILE_ENV))
     if local and not answers_metadata(connection.bootstrap_servers):
-        connection = replace(connection, bootstrap_servers=start_broker().bootstrap_servers)
-    return Kafka(connection, tuple(kafka_config_arguments(args)))
+        started = start_broker(data_dir=args.broker_data_dir)
+        connection = replace(connection, bootstrap_servers=started.bootstrap_servers)
+    return Kafka(connection, tuple(kafka_config_arguments(args)), args.broker_data_dir)
 
 
 def worker_command(
@@ -308,7 +325,7 @@ def start(
 
 
 @contextlib.contextmanager
-def load_apart_from_worker() -> Iterator[set[int] | None]:
+def load_apart_from_worker(broker_dir: Path) -> Iterator[set[int] | None]:
     """Move this process (the paced producer, the delta reader) and the local broker onto the
     last CPU, and yield the others for the worker under test.
 
@@ -323,7 +340,7 @@ def load_apart_from_worker() -> Iterator[set[int] | None]:
         yield None
         return
     load = {cpus[-1]}
-    broker = broker_status()
+    broker = broker_status(broker_dir)
     pids = [os.getpid()] + ([broker.pid] if broker else [])
     tasks = [int(t) for pid in pids for t in os.listdir(f"/proc/{pid}/task")]
     for task in tasks:
@@ -493,14 +510,16 @@ def latency_run(
     logs: Path,
     tree: Tree = THIS_TREE,
     join: bool = False,
+    prefix: str | None = None,
 ) -> dict[str, Any]:
     """p50/p99 of produce -> committed delta, one exactly-once worker at `tokens_per_s`.
 
     With `join`, a second worker is started as the measured load begins and joins the running
     group mid-load; the figures then say when its first output became visible to a reader after
-    its assignment (`join`), and the delay percentiles include the rebalance.
+    its assignment (`join`), and the delay percentiles include the rebalance. `prefix` names
+    topics made ahead (`ReadyTopics`); without it the run makes its own.
     """
-    prefix = f"bench-{'join' if join else 'lat'}-{uuid.uuid4().hex[:8]}"
+    prefix = prefix or f"bench-{'join' if join else 'lat'}-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
     ensure_topics(kafka.connection, names, PARTITIONS)
     group = f"{prefix}-group"
@@ -522,7 +541,7 @@ def latency_run(
     arrivals: list[tuple[int, float, float]] = []  # (partition, created, seen) of each delta
     joining = None
     every_cpu = os.sched_getaffinity(0)  # before this process is pinned with the broker
-    with load_apart_from_worker() as worker_cpus:
+    with load_apart_from_worker(kafka.broker_dir) as worker_cpus:
         worker = start(command, log, worker_cpus, tree)
         reader_done = threading.Event()
         reader = threading.Thread(
@@ -580,6 +599,31 @@ def latency_run(
     if join:
         result["join"] = joining_worker(join_log, arrivals)
     return result
+
+
+@dataclass
+class ReadyTopics:
+    """Topic sets made ahead of the latency and join runs that use them (see TOPIC_SETTLE_S)."""
+
+    prefixes: list[str]
+    ready_at: float  # monotonic
+
+    @classmethod
+    def create(cls, kafka: Kafka, count: int) -> ReadyTopics:
+        prefixes = [f"bench-lat-{uuid.uuid4().hex[:8]}" for _ in range(count)]
+        for prefix in prefixes:
+            ensure_topics(kafka.connection, topics(prefix), PARTITIONS)
+        return cls(prefixes, time.monotonic() + TOPIC_SETTLE_S)
+
+    def take(self) -> str:
+        """The next set's prefix, once the sets are TOPIC_SETTLE_S old."""
+        time.sleep(max(0.0, self.ready_at - time.monotonic()))
+        return self.prefixes.pop(0)
+
+    def drop_unused(self, kafka: Kafka) -> None:
+        """Delete the sets no run took (a run failed): each run drops its own."""
+        for prefix in self.prefixes:
+            drop_topics(kafka.connection, topics(prefix))
 
 
 def _cycled(records: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
@@ -861,10 +905,23 @@ def top_frames(raw: Path, limit: int = 15) -> list[tuple[float, str]]:
 # -- report -------------------------------------------------------------------------------------
 
 
+def add_local_broker_option(parser: argparse.ArgumentParser) -> None:
+    """`--broker-data-dir`, read by `kafka_from`."""
+    parser.add_argument(
+        "--broker-data-dir",
+        type=Path,
+        default=DEFAULT_DATA_DIR,
+        help="the local broker's state directory (`detok broker start --data-dir`), e.g. on "
+        "tmpfs to measure without the disk's stalls (README, 'The broker's storage'); started "
+        "there if no broker answers",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_connection_options(parser)
     parser.add_argument("--shared-dir", type=Path, default=REPO_ROOT.parent / "shared")
+    add_local_broker_option(parser)
     parser.add_argument("--tokenizers", default=",".join(DEFAULT_TOKENIZERS))
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--active", type=int, default=10_000, help="requests for memory/restore")
@@ -895,6 +952,61 @@ def build_parser() -> argparse.ArgumentParser:
         "--sasl-ssl", action="store_true", help="also 1 worker over SASL_SSL (bench_secured.py)"
     )
     return parser
+
+
+def delay_rows(
+    kafka: Kafka,
+    workload: Workload,
+    max_rate: float,
+    trees: list[Tree],
+    args: argparse.Namespace,
+    logs: Path,
+    note: Callable[[str], None],
+) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """The delay rows at half and a quarter of `max_rate` (this tree's one-worker rate; every
+    tree is measured at the same rates), and a worker joining the running group at a quarter.
+
+    Each runs LATENCY_REPEATS times per tree and the run with the median p99 is reported (all
+    p99s alongside): on this shared machine one host-side stall of a second within an 8 s run
+    sets that run's p99, and a median is not decided by one such stall.
+    """
+    ready = ReadyTopics.create(kafka, 3 * LATENCY_REPEATS * len(trees))
+    try:
+        latencies = []
+        for share in (0.5, 0.25):
+            rate = max_rate * share
+            repeats: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
+            for repeat in range(LATENCY_REPEATS):
+                for tree in _in_turn(trees, repeat):
+                    run = latency_run(
+                        kafka, workload, rate, args.latency_seconds, logs, tree, prefix=ready.take()
+                    )
+                    repeats[tree.label].append(run)
+                    note(f"{tree.label}: delay at {rate:,.0f} tok/s: p99 {run['p99_ms']:.0f} ms")
+            latencies.append(
+                {"share": share, **{label: _median_p99(r) for label, r in repeats.items()}}
+            )
+        joins: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
+        for repeat in range(LATENCY_REPEATS):
+            for tree in _in_turn(trees, repeat):
+                seconds = max(args.latency_seconds, JOIN_RUN_S)
+                run = latency_run(
+                    kafka,
+                    workload,
+                    max_rate * 0.25,
+                    seconds,
+                    logs,
+                    tree,
+                    join=True,
+                    prefix=ready.take(),
+                )
+                joins[tree.label].append(run)
+                first = run["join"].get("first_visible_s")
+                shown = "never" if first is None else f"{first:.2f} s"
+                note(f"{tree.label}: joining worker's first output {shown} after its assignment")
+        return latencies, joins
+    finally:
+        ready.drop_unused(kafka)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -977,34 +1089,10 @@ def main(argv: list[str] | None = None) -> int:
     del core
     eos1 = runs[0]
     alos1 = runs[2]
-    # The target is at half the maximum and at a quarter (this tree's one-worker rate; every
-    # tree is measured at the same rates). Each rate runs LATENCY_REPEATS times per tree and
-    # the run with the median p99 is reported (all p99s alongside): on this shared machine one
-    # host-side stall of a second within an 8 s run sets that run's p99, and a median is not
-    # decided by one such stall.
-    latencies = []
-    for share in () if args.drain_only else (0.5, 0.25):
-        rate = eos1.tokens_per_s * share
-        repeats: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
-        for repeat in range(LATENCY_REPEATS):
-            for tree in _in_turn(trees, repeat):
-                run = latency_run(kafka, workload, rate, args.latency_seconds, logs, tree)
-                repeats[tree.label].append(run)
-                note(f"{tree.label}: delay at {rate:,.0f} tok/s: p99 {run['p99_ms']:.0f} ms")
-        latencies.append(
-            {"share": share, **{label: _median_p99(r) for label, r in repeats.items()}}
-        )
-    # A worker joining the running group at a quarter of the rate, LATENCY_REPEATS times.
+    latencies, joins = [], {tree.label: [] for tree in trees}
     join_rate = eos1.tokens_per_s * 0.25
-    joins: dict[str, list[dict[str, Any]]] = {tree.label: [] for tree in trees}
-    for repeat in range(0 if args.drain_only else LATENCY_REPEATS):
-        for tree in _in_turn(trees, repeat):
-            seconds = max(args.latency_seconds, JOIN_RUN_S)
-            run = latency_run(kafka, workload, join_rate, seconds, logs, tree, join=True)
-            joins[tree.label].append(run)
-            first = run["join"].get("first_visible_s")
-            shown = "never" if first is None else f"{first:.2f} s"
-            note(f"{tree.label}: joining worker's first output {shown} after its assignment")
+    if not args.drain_only:
+        latencies, joins = delay_rows(kafka, workload, eos1.tokens_per_s, trees, args, logs, note)
     memory = None if args.drain_only else memory_and_restore(kafka, workload, args.active, logs)
     three_brokers = None
     if args.three_brokers:

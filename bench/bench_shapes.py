@@ -63,6 +63,7 @@ from bench.bench_e2e import (
     Kafka,
     Tree,
     Workload,
+    add_local_broker_option,
     build_workload,
     committed_offsets,
     drop_topics,
@@ -460,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_connection_options(parser)
     parser.add_argument("--shared-dir", type=Path, default=REPO_ROOT.parent / "shared")
+    add_local_broker_option(parser)
     parser.add_argument("--tokenizers", default=",".join(DEFAULT_TOKENIZERS))
     parser.add_argument("--requests", type=int, default=20_000, help="today's workload")
     parser.add_argument("--long-prompt-requests", type=int, default=1_000)
