@@ -26,6 +26,7 @@ topic" into two clear errors within a bound.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
@@ -101,6 +102,15 @@ METADATA_SLICE_S = 0.5
 NEW_TOPIC_GRACE_S = 5.0
 # How long to wait between two asks about a topic not known yet.
 NEW_TOPIC_RETRY_S = 0.05
+# librdkafka sends DescribeConfigs to the broker its metadata names the controller (in KRaft a
+# live broker names any broker it believes alive) and waits for that broker's connection however
+# long it stays down. A worker started two seconds after one broker of a three-node cluster was
+# killed asked the dead one and heard nothing for 30 s while the other two were up, and exited
+# ("did not answer within 30 s"; CI, test_kill_9_a_worker_while_a_broker_is_down). So an ask
+# for topic configurations ends after this long, the client's metadata is read again
+# (`reread_metadata`: once the dead broker is fenced, ~9 s after it died, no live broker names
+# it), and the ask is made again, until the caller's own bound.
+CONFIG_ASK_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -390,3 +400,12 @@ def topic_partitions(
     if found is None or found.error is not None or not found.partitions:
         raise UnknownTopic(f"topic {topic!r} does not exist (create it with `detok topics ensure`)")
     return sorted(found.partitions)
+
+
+def reread_metadata(admin: AdminClient, deadline: float) -> None:
+    """Read the cluster's metadata again (any live broker answers), so that the next
+    controller-bound ask goes where a live broker points now (see CONFIG_ASK_TIMEOUT_S); a
+    failure leaves the next ask to its own bound."""
+    remaining = deadline - time.monotonic()
+    with contextlib.suppress(KafkaException):
+        admin.list_topics(timeout=max(0.1, min(CONFIG_ASK_TIMEOUT_S, remaining)))

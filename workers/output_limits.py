@@ -18,10 +18,12 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
 from workers.kafka_clients import (
+    CONFIG_ASK_TIMEOUT_S,
     NEW_TOPIC_GRACE_S,
     NEW_TOPIC_RETRY_S,
     KafkaConnection,
     make_admin,
+    reread_metadata,
 )
 from workers.topic_names import TopicNames
 
@@ -118,7 +120,8 @@ def read_output_limits(
 
     Raises TopicsUnavailable when a topic does not exist or the broker does not answer within
     `timeout_s` (or a stop is requested first): every later wait of the worker assumes both. A
-    topic the answering broker does not know is asked about again for NEW_TOPIC_GRACE_S first.
+    topic the answering broker does not know is asked about again for NEW_TOPIC_GRACE_S first,
+    and an ask that timed out is made again (CONFIG_ASK_TIMEOUT_S).
     """
     topics = list(dict.fromkeys(names.model_dump().values()))
     admin = make_admin(connection)
@@ -127,7 +130,11 @@ def read_output_limits(
     limits: dict[str, int] = {}
     while True:
         pending = [t for t in topics if t not in limits]
-        futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in pending])
+        futures = admin.describe_configs(
+            [ConfigResource(ResourceType.TOPIC, t) for t in pending],
+            request_timeout=CONFIG_ASK_TIMEOUT_S,
+        )
+        timed_out = False
         for resource, future in futures.items():
             _await_answer(admin, future, connection, timeout_s, deadline, should_stop)
             try:
@@ -136,8 +143,13 @@ def read_output_limits(
                 code = exception.args[0].code()
                 if code == KafkaError.UNKNOWN_TOPIC_OR_PART and time.monotonic() < grace_ends:
                     continue
+                if code == KafkaError._TIMED_OUT:
+                    timed_out = True
+                    continue
                 raise _unusable(resource.name, exception.args[0]) from None
             limits[resource.name] = int(configs["max.message.bytes"].value)
+        if timed_out:
+            reread_metadata(admin, deadline)
         if len(limits) == len(topics):
             return OutputLimits({t: limits[t] for t in topics})
         if should_stop():

@@ -53,11 +53,13 @@ from confluent_kafka.admin import (
 )
 
 from workers.kafka_clients import (
+    CONFIG_ASK_TIMEOUT_S,
     METADATA_TIMEOUT_S,
     KafkaConnection,
     as_connection,
     cluster_metadata,
     make_admin,
+    reread_metadata,
 )
 from workers.topic_names import TopicNames
 
@@ -320,14 +322,16 @@ def topic_configs(
     """Each topic's effective configuration (its own settings over the broker's defaults).
 
     Every topic asked about exists; one created a moment ago may still be unknown to the broker
-    that answers, so UNKNOWN_TOPIC_OR_PART is asked again until `timeout_s`.
+    that answers, so UNKNOWN_TOPIC_OR_PART is asked again until `timeout_s`, and so is an ask
+    that timed out (the broker it went to may be down: CONFIG_ASK_TIMEOUT_S).
     """
     resources = [ConfigResource(ResourceType.TOPIC, name) for name in topics]
     if not resources:
         return {}  # describe_configs refuses an empty request
     deadline = time.monotonic() + timeout_s
     while True:
-        futures = admin.describe_configs(resources, request_timeout=timeout_s)
+        ask_s = min(timeout_s, CONFIG_ASK_TIMEOUT_S)
+        futures = admin.describe_configs(resources, request_timeout=ask_s)
         try:
             return {
                 resource.name: {
@@ -336,7 +340,10 @@ def topic_configs(
                 for resource, future in futures.items()
             }
         except KafkaException as error:
-            unknown = error.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART
-            if not unknown or time.monotonic() > deadline:
+            code = error.args[0].code()
+            again = code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TIMED_OUT)
+            if not again or time.monotonic() > deadline:
                 raise
+            if code == KafkaError._TIMED_OUT:
+                reread_metadata(admin, deadline)
         time.sleep(POLL_INTERVAL_S)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from pipeline.generations import DEFAULT_CHUNK_SIZE
@@ -50,7 +51,8 @@ from tests.integration.worker_harness import (
 )
 from workers import broker
 from workers.formats.jsonl import jsonl_records
-from workers.kafka_clients import DeliveryTracker, KafkaConnection, make_producer
+from workers.kafka_clients import DeliveryTracker, KafkaConnection, make_admin, make_producer
+from workers.output_limits import OutputLimits, TopicsUnavailable, read_output_limits
 from workers.replay import replay_events
 from workers.topics import topic_configs
 
@@ -408,6 +410,46 @@ def test_kill_9_a_worker_while_a_broker_is_down(all_up, tmp_path: Path) -> None:
         broker.start_node(run.cluster.data_dir, leader)
 
     run_with_fault(all_up, tmp_path, fault, "kill -9 worker while a broker is down", seed=106)
+
+
+def test_topic_configs_are_read_while_a_broker_is_down(all_up: broker.ClusterLayout) -> None:
+    """The worker's start-up read of its topics' limits (eight fresh clients) and `detok topics
+    ensure`'s read of their configurations (eight), all at once, right after one broker of three
+    was killed: until the cluster fences it (~9 s), live brokers may name the dead one as the
+    controller, where librdkafka sends DescribeConfigs. A worker that asked it waited for its
+    whole start-up bound and exited (CI); now each ask ends after CONFIG_ASK_TIMEOUT_S and is
+    made again on fresh metadata."""
+    names = pipeline_topics(all_up.bootstrap_servers)
+    bootstrap = {"bootstrap.servers": all_up.bootstrap_servers}
+    configs = topic_configs(AdminClient(bootstrap), names.all)
+    limits = {topic: int(config["max.message.bytes"]) for topic, config in configs.items()}
+    os.kill(node_pid(all_up, BROKERS), signal.SIGKILL)
+    outcomes: dict[str, object] = {}
+
+    def worker_start(client: str) -> None:
+        connection = KafkaConnection(all_up.bootstrap_servers)
+        try:
+            outcomes[client] = read_output_limits(connection, names, 30.0, lambda: False)
+        except TopicsUnavailable as error:
+            outcomes[client] = error
+
+    def ensure(client: str) -> None:
+        try:
+            found = topic_configs(make_admin(KafkaConnection(all_up.bootstrap_servers)), names.all)
+            outcomes[client] = {t: int(c["max.message.bytes"]) for t, c in found.items()}
+        except KafkaException as error:
+            outcomes[client] = error
+
+    readers = [threading.Thread(target=worker_start, args=(f"worker {i}",)) for i in range(8)]
+    readers += [threading.Thread(target=ensure, args=(f"ensure {i}",)) for i in range(8)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(60)
+    assert outcomes == {
+        **{f"worker {i}": OutputLimits(limits) for i in range(8)},
+        **{f"ensure {i}": limits for i in range(8)},
+    }
 
 
 # -- the command line, on the same cluster -----------------------------------------------------
