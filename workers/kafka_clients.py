@@ -31,12 +31,13 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
-from confluent_kafka.admin import AdminClient, ClusterMetadata
+from confluent_kafka.admin import AdminClient, ClusterMetadata, ConfigResource, ResourceType
 
 from workers.kafka_config import KafkaConfigError, check_protected, client_properties, redacted
 
@@ -285,6 +286,15 @@ class UnknownTopic(LookupError):
     """A command was pointed at a topic the cluster does not have."""
 
 
+class TopicConfigUnread(KafkaException):
+    """A topic's configuration could not be read: the broker's error (`args[0]`, as any
+    KafkaException) and which topic it was about (`topic`)."""
+
+    def __init__(self, topic: str, error: KafkaError) -> None:
+        super().__init__(error)
+        self.topic = topic
+
+
 class UndeliveredRecords(Exception):
     """Some records a command produced were not delivered; `report` says how many and why."""
 
@@ -403,6 +413,52 @@ def topic_partitions(
     if found is None or found.error is not None or not found.partitions:
         raise UnknownTopic(f"topic {topic!r} does not exist (create it with `detok topics ensure`)")
     return sorted(found.partitions)
+
+
+def describe_topic_configs(
+    admin: AdminClient,
+    topics: Iterable[str],
+    deadline: float,
+    unknown_until: float,
+    await_answer: Callable[[Future], None] | None = None,
+) -> dict[str, dict[str, str]]:
+    """Each topic's effective configuration (its own settings over the broker's defaults).
+
+    Two answers are asked about again instead of raised, each within its own bound (monotonic
+    times): UNKNOWN_TOPIC_OR_PART until `unknown_until` (a topic created a moment ago that the
+    answering broker does not know yet: NEW_TOPIC_GRACE_S), and an ask that timed out, on fresh
+    metadata, until `deadline` (its broker may be down: CONFIG_ASK_TIMEOUT_S). Any other error,
+    or either past its bound, raises TopicConfigUnread. `await_answer` waits for one answer
+    before it is read (the worker's serves its callbacks and its stop request); without it the
+    ask's own timeout bounds the wait.
+    """
+    wanted = list(dict.fromkeys(topics))
+    configs: dict[str, dict[str, str]] = {}
+    while True:
+        pending = [ConfigResource(ResourceType.TOPIC, t) for t in wanted if t not in configs]
+        if not pending:  # also for no topics at all: describe_configs refuses an empty request
+            return configs
+        ask_s = max(0.1, min(CONFIG_ASK_TIMEOUT_S, deadline - time.monotonic()))
+        timed_out = False
+        for resource, future in admin.describe_configs(pending, request_timeout=ask_s).items():
+            if await_answer is not None:
+                await_answer(future)
+            try:
+                entries = future.result()
+            except KafkaException as exception:
+                error, now = exception.args[0], time.monotonic()
+                if error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART and now < unknown_until:
+                    continue
+                if error.code() == KafkaError._TIMED_OUT and now < deadline:
+                    timed_out = True
+                    continue
+                raise TopicConfigUnread(resource.name, error) from None
+            configs[resource.name] = {key: entry.value for key, entry in entries.items()}
+        if len(configs) == len(wanted):
+            return configs
+        if timed_out:
+            reread_metadata(admin, deadline)
+        time.sleep(NEW_TOPIC_RETRY_S)
 
 
 def reread_metadata(admin: AdminClient, deadline: float) -> None:

@@ -13,17 +13,17 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
-from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+from confluent_kafka import KafkaError
+from confluent_kafka.admin import AdminClient
 
 from workers.kafka_clients import (
-    CONFIG_ASK_TIMEOUT_S,
     NEW_TOPIC_GRACE_S,
-    NEW_TOPIC_RETRY_S,
     KafkaConnection,
+    TopicConfigUnread,
+    describe_topic_configs,
     make_admin,
-    reread_metadata,
 )
 from workers.topic_names import TopicNames
 
@@ -121,63 +121,60 @@ def read_output_limits(
     Raises TopicsUnavailable when a topic does not exist or the broker does not answer within
     `timeout_s` (or a stop is requested first): every later wait of the worker assumes both. A
     topic the answering broker does not know is asked about again for NEW_TOPIC_GRACE_S first,
-    and an ask that timed out is made again (CONFIG_ASK_TIMEOUT_S).
+    and an ask that timed out is made again (`describe_topic_configs`).
     """
     topics = list(dict.fromkeys(names.model_dump().values()))
     admin = make_admin(connection)
-    deadline = time.monotonic() + timeout_s
-    grace_ends = time.monotonic() + min(NEW_TOPIC_GRACE_S, timeout_s)
-    limits: dict[str, int] = {}
-    while True:
-        pending = [t for t in topics if t not in limits]
-        futures = admin.describe_configs(
-            [ConfigResource(ResourceType.TOPIC, t) for t in pending],
-            request_timeout=CONFIG_ASK_TIMEOUT_S,
+    started = time.monotonic()
+    deadline = started + timeout_s
+    try:
+        configs = describe_topic_configs(
+            admin,
+            topics,
+            deadline,
+            unknown_until=started + min(NEW_TOPIC_GRACE_S, timeout_s),
+            await_answer=partial(
+                _await_answer, admin, connection, timeout_s, deadline, should_stop
+            ),
         )
-        timed_out = False
-        for resource, future in futures.items():
-            _await_answer(admin, future, connection, timeout_s, deadline, should_stop)
-            try:
-                configs = future.result()
-            except KafkaException as exception:
-                code = exception.args[0].code()
-                if code == KafkaError.UNKNOWN_TOPIC_OR_PART and time.monotonic() < grace_ends:
-                    continue
-                if code == KafkaError._TIMED_OUT:
-                    timed_out = True
-                    continue
-                raise _unusable(resource.name, exception.args[0]) from None
-            limits[resource.name] = int(configs["max.message.bytes"].value)
-        if timed_out:
-            reread_metadata(admin, deadline)
-        if len(limits) == len(topics):
-            return OutputLimits({t: limits[t] for t in topics})
-        if should_stop():
-            raise TopicsUnavailable("stopped while reading the topic configurations")
-        time.sleep(NEW_TOPIC_RETRY_S)
+    except TopicConfigUnread as unread:
+        raise _unusable(unread.topic, unread.args[0], connection, timeout_s) from None
+    return OutputLimits({t: int(configs[t]["max.message.bytes"]) for t in topics})
 
 
 def _await_answer(
     admin: AdminClient,
-    future: Future,
     connection: KafkaConnection,
     timeout_s: float,
     deadline: float,
     should_stop: Callable[[], bool],
+    future: Future,
 ) -> None:
-    while not future.done():
+    # The stop request is checked before each answer is read, even one already there, so it also
+    # ends a round of asking again about topics not known yet.
+    while True:
         admin.poll(0)  # serves RefusalWatch: a refused login ends the wait, named
         if should_stop():
             raise TopicsUnavailable("stopped while reading the topic configurations")
+        if future.done():
+            return
         if time.monotonic() > deadline:
-            raise TopicsUnavailable(
-                f"Kafka at {connection.bootstrap_servers} did not answer within "
-                f"{timeout_s:.0f} s (is the broker up and reachable?)"
-            )
+            raise _no_answer(connection, timeout_s)
         time.sleep(POLL_S / 10)
 
 
-def _unusable(topic: str, error: KafkaError) -> TopicsUnavailable:
+def _no_answer(connection: KafkaConnection, timeout_s: float) -> TopicsUnavailable:
+    return TopicsUnavailable(
+        f"Kafka at {connection.bootstrap_servers} did not answer within "
+        f"{timeout_s:.0f} s (is the broker up and reachable?)"
+    )
+
+
+def _unusable(
+    topic: str, error: KafkaError, connection: KafkaConnection, timeout_s: float
+) -> TopicsUnavailable:
+    if error.code() == KafkaError._TIMED_OUT:
+        return _no_answer(connection, timeout_s)
     if error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
         return TopicsUnavailable(
             f"not authorized to describe the configuration of topic {topic} "

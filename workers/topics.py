@@ -53,13 +53,12 @@ from confluent_kafka.admin import (
 )
 
 from workers.kafka_clients import (
-    CONFIG_ASK_TIMEOUT_S,
     METADATA_TIMEOUT_S,
     KafkaConnection,
     as_connection,
     cluster_metadata,
+    describe_topic_configs,
     make_admin,
-    reread_metadata,
 )
 from workers.topic_names import TopicNames
 
@@ -319,31 +318,8 @@ def _partition_counts(admin: AdminClient, topics: list[str]) -> dict[str, int]:
 def topic_configs(
     admin: AdminClient, topics: Iterable[str], timeout_s: float = ADMIN_TIMEOUT_S
 ) -> dict[str, dict[str, str]]:
-    """Each topic's effective configuration (its own settings over the broker's defaults).
-
-    Every topic asked about exists; one created a moment ago may still be unknown to the broker
-    that answers, so UNKNOWN_TOPIC_OR_PART is asked again until `timeout_s`, and so is an ask
-    that timed out (the broker it went to may be down: CONFIG_ASK_TIMEOUT_S).
-    """
-    resources = [ConfigResource(ResourceType.TOPIC, name) for name in topics]
-    if not resources:
-        return {}  # describe_configs refuses an empty request
+    """Each topic's effective configuration. Every topic asked about exists (ensure made it), so
+    one the answering broker does not know yet is asked about again for all of `timeout_s`, and
+    so is an ask that timed out (`describe_topic_configs`)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        ask_s = min(timeout_s, CONFIG_ASK_TIMEOUT_S)
-        futures = admin.describe_configs(resources, request_timeout=ask_s)
-        try:
-            return {
-                resource.name: {
-                    key: entry.value for key, entry in future.result(timeout=timeout_s).items()
-                }
-                for resource, future in futures.items()
-            }
-        except KafkaException as error:
-            code = error.args[0].code()
-            again = code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TIMED_OUT)
-            if not again or time.monotonic() > deadline:
-                raise
-            if code == KafkaError._TIMED_OUT:
-                reread_metadata(admin, deadline)
-        time.sleep(POLL_INTERVAL_S)
+    return describe_topic_configs(admin, topics, deadline, unknown_until=deadline)
