@@ -103,6 +103,8 @@ READER_WAIT_S = 0.01
 # A join run lasts at least this long, so the joining worker (seconds of start-up: tokenizers,
 # group join) joins while the load still runs.
 JOIN_RUN_S = 15.0
+# A join run's load, as a share of one worker's max rate: the lower of the delay rows' two.
+JOIN_RATE_SHARE = 0.25
 # The latency and join runs' topics are created together, before the first of those runs, and
 # the first waits until they are this old. Created just before its worker (as they were), a
 # run's fresh partitions cost it one stall in the local broker: a transaction's commit markers
@@ -508,20 +510,18 @@ def latency_run(
     tokens_per_s: float,
     seconds: float,
     logs: Path,
+    prefix: str,
     tree: Tree = THIS_TREE,
     join: bool = False,
-    prefix: str | None = None,
 ) -> dict[str, Any]:
     """p50/p99 of produce -> committed delta, one exactly-once worker at `tokens_per_s`.
 
     With `join`, a second worker is started as the measured load begins and joins the running
     group mid-load; the figures then say when its first output became visible to a reader after
     its assignment (`join`), and the delay percentiles include the rebalance. `prefix` names
-    topics made ahead (`ReadyTopics`); without it the run makes its own.
+    the run's topics, made ahead (`ReadyTopics`).
     """
-    prefix = prefix or f"bench-{'join' if join else 'lat'}-{uuid.uuid4().hex[:8]}"
     names = topics(prefix)
-    ensure_topics(kafka.connection, names, PARTITIONS)
     group = f"{prefix}-group"
     per_request = workload.generated_tokens / workload.requests
     wanted = max(50, int(tokens_per_s * seconds / per_request))
@@ -979,7 +979,7 @@ def delay_rows(
             for repeat in range(LATENCY_REPEATS):
                 for tree in _in_turn(trees, repeat):
                     run = latency_run(
-                        kafka, workload, rate, args.latency_seconds, logs, tree, prefix=ready.take()
+                        kafka, workload, rate, args.latency_seconds, logs, ready.take(), tree
                     )
                     repeats[tree.label].append(run)
                     note(f"{tree.label}: delay at {rate:,.0f} tok/s: p99 {run['p99_ms']:.0f} ms")
@@ -993,12 +993,12 @@ def delay_rows(
                 run = latency_run(
                     kafka,
                     workload,
-                    max_rate * 0.25,
+                    max_rate * JOIN_RATE_SHARE,
                     seconds,
                     logs,
+                    ready.take(),
                     tree,
                     join=True,
-                    prefix=ready.take(),
                 )
                 joins[tree.label].append(run)
                 first = run["join"].get("first_visible_s")
@@ -1090,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     eos1 = runs[0]
     alos1 = runs[2]
     latencies, joins = [], {tree.label: [] for tree in trees}
-    join_rate = eos1.tokens_per_s * 0.25
+    join_rate = eos1.tokens_per_s * JOIN_RATE_SHARE
     if not args.drain_only:
         latencies, joins = delay_rows(kafka, workload, eos1.tokens_per_s, trees, args, logs, note)
     memory = None if args.drain_only else memory_and_restore(kafka, workload, args.active, logs)
