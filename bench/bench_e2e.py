@@ -58,7 +58,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka.admin import ConfigResource, ResourceType
 from tokenizers import Tokenizer
 
 from bench.workload import generations
@@ -81,7 +82,14 @@ from workers.broker import (
 )
 from workers.commands.options import add_connection_options, connection_from, kafka_config_arguments
 from workers.formats.jsonl import jsonl_records
-from workers.kafka_clients import KafkaConnection, make_consumer, make_producer
+from workers.kafka_clients import (
+    METADATA_TIMEOUT_S,
+    KafkaConnection,
+    cluster_metadata,
+    make_admin,
+    make_consumer,
+    make_producer,
+)
 from workers.kafka_config import CONFIG_FILE_ENV, KafkaConfigError
 from workers.process_policy import tune_garbage_collector
 from workers.replay import replay, replay_events
@@ -119,6 +127,7 @@ TOPIC_SETTLE_S = 10.0
 # A run that takes longer than this is stuck (the full run drains in well under a minute).
 WAIT_BOUND_S = 600.0
 DEFAULT_TOKENIZERS = ("gpt2", "llama-spm", "qwen2-from-tiktoken")
+GROUP_DELAY = "group.initial.rebalance.delay.ms"
 SUMMARY = re.compile(r"run summary (\{.*\})")
 RESTORED = re.compile(r"restored (\d+) requests of partitions .* in ([0-9.]+)s")
 
@@ -403,6 +412,22 @@ def drop_topics(connection: KafkaConnection, names: TopicNames, keep: str | None
     wanted = [topic for topic in names.model_dump().values() if topic != keep]
     for topic in delete_topics(connection, wanted):
         print(f"# could not delete topic {topic}", file=sys.stderr)
+
+
+def initial_rebalance_delay_ms(connection: KafkaConnection) -> int | None:
+    """The broker's `group.initial.rebalance.delay.ms`: how long a new group waits for more
+    members before its first assignment. The local broker's is 0 (tests form groups by the
+    hundred); Kafka's default is 3000. With 0, of two workers started together the first takes
+    every partition and the second joins a running group, so a two-worker drain includes one
+    rebalance. None if the broker does not say (e.g. no DESCRIBE_CONFIGS ACL on the cluster)."""
+    admin = make_admin(connection)
+    broker = min(cluster_metadata(admin, METADATA_TIMEOUT_S).brokers)
+    resource = ConfigResource(ResourceType.BROKER, str(broker))
+    try:
+        configs = admin.describe_configs([resource])[resource].result(timeout=METADATA_TIMEOUT_S)
+    except (KafkaException, TimeoutError):  # only leaves the row out: no run depends on it
+        return None
+    return int(configs[GROUP_DELAY].value)
 
 
 def summaries(log: Path) -> list[dict[str, Any]]:
@@ -1145,6 +1170,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "memory": memory,
         "commit_interval_ms": COMMIT_INTERVAL_MS,
+        "initial_rebalance_delay_ms": initial_rebalance_delay_ms(kafka.connection),
         "logs": str(logs),
         **({"sasl_ssl": sasl_ssl} if sasl_ssl else {}),
     }
@@ -1304,6 +1330,17 @@ def print_table(report: dict[str, Any]) -> None:
                     _ok(ratio >= 1.0) if tree == "this" else "",
                 )
             )
+    delay = report["initial_rebalance_delay_ms"]
+    if delay is not None:
+        rows.append(
+            (
+                f"  the broker's {GROUP_DELAY}",
+                f"{delay} ms",
+                "2 workers started together share the first assignment only if they join "
+                "within it (Kafka's default 3000; README, 'Two workers started together')",
+                "",
+            )
+        )
     timeline = runs[("this", 2, "exactly-once")]["joining_timeline"]
     if timeline:
         rows.append(("  2 workers EOS: the later one", _timeline(timeline), "", ""))
