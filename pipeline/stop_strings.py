@@ -213,9 +213,12 @@ class StopScanner:
 
 
 # Requests of one producer usually share a stop list: reuse its matcher. Bounded so that
-# producers sending a fresh list per request cannot grow it without limit.
+# producers sending a fresh list per request cannot grow it without limit: in lists, and in
+# characters, since an automaton takes about 16 bytes a character (1 MB for a list at the
+# schema's bounds, 64 x 1,024: a thousand such lists would be a gigabyte).
 _MATCHERS: dict[tuple[str, ...], StopMatcher] = {}
 _MAX_CACHED = 1024
+_MAX_CACHED_CHARS = 4 * 1024 * 1024
 
 
 def matcher_for(stops: Sequence[str]) -> StopMatcher:
@@ -223,7 +226,8 @@ def matcher_for(stops: Sequence[str]) -> StopMatcher:
     key = tuple(stops)
     matcher = _MATCHERS.get(key)
     if matcher is None:
-        if len(_MATCHERS) >= _MAX_CACHED:
+        cached = sum(len(m._chars) for m in _MATCHERS.values())
+        if len(_MATCHERS) >= _MAX_CACHED or cached + sum(map(len, key)) > _MAX_CACHED_CHARS:
             _MATCHERS.clear()
         matcher = _MATCHERS[key] = StopMatcher(key)
     return matcher

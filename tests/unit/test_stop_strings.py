@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline import stop_strings
 from pipeline.processor import RequestProcessor
-from pipeline.stop_strings import StopMatcher, StopScanner
+from pipeline.stop_strings import StopMatcher, StopScanner, matcher_for
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import Logprobs, TextDelta, dump_json
 from schemas.fast_events import ParsedPrompt, ParsedTokens
@@ -96,6 +97,17 @@ def test_shared_prefixes_branch_and_fail_over() -> None:
     assert scanner.scan("", "zab") is None and scanner.held == "ab"
     assert scanner.scan("ab", "c") is None and scanner.held == "abc"
     assert tuple(scanner.scan("abc", "z")) == ("bcz", 1, 4)
+
+
+def test_the_matcher_cache_is_bounded_in_characters(monkeypatch) -> None:
+    # A producer sending a fresh long stop list per request: each list is cached (and reused
+    # while its requests live), but the cache never holds more than its bound in characters.
+    monkeypatch.setattr(stop_strings, "_MATCHERS", {})
+    monkeypatch.setattr(stop_strings, "_MAX_CACHED_CHARS", 10_000, raising=False)
+    for n in range(40):
+        stops = [f"{n}:{'x' * 998}"]
+        assert matcher_for(stops) is matcher_for(stops)
+        assert sum(len(s) for key in stop_strings._MATCHERS for s in key) <= 10_000
 
 
 @pytest.fixture(scope="module")
