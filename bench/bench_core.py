@@ -69,8 +69,8 @@ BENCH_STOPS = ["\n\nHuman:", "<|endoftext|>", "###", "Observation:"]
 TOP_LOGPROBS = 5
 
 
-def chunks_of(ids: list[int]) -> list[list[int]]:
-    return [ids[i : i + CHUNK] for i in range(0, len(ids), CHUNK)]
+def chunks_of(ids: list[int], size: int = CHUNK) -> list[list[int]]:
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 def method_hf_stream(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]:
@@ -168,10 +168,12 @@ def processor_rounds(
     stop: list[str] | None,
     logprobs: bool,
     vocab: int = 1,
+    chunk: int = CHUNK,
 ) -> list[list[tuple[ParsedEvent, EventOrigin]]]:
     """The requests as the batches a worker would hand its processor: windows of `active`
-    requests, each round one event of every request in the window (built outside timings).
-    With `logprobs`, every token gets its logprob and TOP_LOGPROBS alternatives below `vocab`."""
+    requests, each round one event (of `chunk` ids) of every request in the window (built
+    outside timings). With `logprobs`, every token gets its logprob and TOP_LOGPROBS
+    alternatives below `vocab`."""
     origin = EventOrigin("bench", 0, 0, b"")
     rounds = []
     for start in range(0, len(reqs), active):
@@ -187,17 +189,17 @@ def processor_rounds(
                     stop=stop,
                 )
             ]
-            for chunk in chunks_of(r["output_token_ids"]):
+            for ids in chunks_of(r["output_token_ids"], chunk):
                 events.append(
                     ParsedTokens(
                         request_id=request_id,
                         seq=len(events),
-                        token_ids=chunk,
-                        logprobs=[-0.25] * len(chunk) if logprobs else None,
+                        token_ids=ids,
+                        logprobs=[-0.25] * len(ids) if logprobs else None,
                         top_logprobs=(
                             [
                                 [((t + k) % vocab, -0.5 - k) for k in range(TOP_LOGPROBS)]
-                                for t in chunk
+                                for t in ids
                             ]
                             if logprobs
                             else None
@@ -241,13 +243,15 @@ def method_decode_batch(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]
     return tok.decode_batch([r["output_token_ids"] for r in reqs], skip_special_tokens=True)
 
 
-def timed(fn: Callable[[], list[str]]) -> tuple[float, list[str]]:
+def timed(
+    fn: Callable[[], list[str]], clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, list[str]]:
     gc.collect()
     gc.disable()
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         out = fn()
-        return time.perf_counter() - t0, out
+        return clock() - t0, out
     finally:
         gc.enable()
 
