@@ -20,10 +20,10 @@ rotation, as (b0) and (c0): before/after figures from one run, paired per repeat
 over the same requests as events, in continuous rounds of `--active` requests (docs/decode-
 options.md): (p) no options, (ps) four stop strings per request (ones the workload never
 completes, so every request runs its full length and the row measures matching and hold-back),
-(pl) top-5 logprobs on every token; with `--compare-with`, (p0) and (pl0) are (p) and (pl) on
-the other tree. Every processor row encodes its deltas and completions as the worker writes
-them (an option's cost includes its output records). Ratios to (p) are paired per repeat; (ps)
-must give (p)'s completions exactly.
+(pl) top-5 logprobs on every token; with `--compare-with`, (p0), (ps0) and (pl0) are (p), (ps)
+and (pl) on the other tree. Every processor row encodes its deltas and completions as the worker
+writes them (an option's cost includes its output records). Ratios to (p) are paired per
+repeat; (ps) must give (p)'s completions exactly.
 
     python -m bench.bench_core [--shared-dir ../shared] [--tokenizers gpt2,llama-spm] [--json]
                                [--compare-with /tmp/base] [--decode-options]
@@ -345,6 +345,7 @@ def bench_tokenizer(
         methods["pl"] = lambda: method_processor(registry, logprobs, count)
         if base is not None:
             methods["p0"] = lambda: method_processor(registry, plain, count, base_processor)
+            methods["ps0"] = lambda: method_processor(registry, stops, count, base_processor)
             methods["pl0"] = lambda: method_processor(registry, logprobs, count, base_processor)
     times: dict[str, list[float]] = {k: [] for k in methods}
     outputs: dict[str, list[str]] = {}
@@ -359,7 +360,7 @@ def bench_tokenizer(
     versus_base = {}
     if base is not None:
         versus_base = {k: paired_ratio(times[f"{k}0"], times[k]) for k in ("b", "c")}
-        pairs = [k for k in ("b", "c", "p", "pl") if k in times]
+        pairs = [k for k in ("b", "c", "p", "ps", "pl") if k in times]
         versus_base = {k: paired_ratio(times[f"{k}0"], times[k]) for k in pairs}
         versus_base["mismatches"] = sum(
             x != y for k in pairs for x, y in zip(outputs[k], outputs[f"{k}0"], strict=True)
@@ -404,6 +405,7 @@ LABELS = {
     "p": "(p) RequestProcessor, no decode options",
     "p0": "(p0) as (p), --compare-with tree",
     "ps": "(ps) RequestProcessor, 4 stop strings",
+    "ps0": "(ps0) as (ps), --compare-with tree",
     "pl": "(pl) RequestProcessor, top-5 logprobs",
     "pl0": "(pl0) as (pl), --compare-with tree",
 }
