@@ -194,9 +194,10 @@ class StopScanner:
     def scan(self, held: str, text: str) -> StopMatch | None:
         """The stop with the smallest end in `held + text` (the longest of those ending
         there), positions counted in `held + text`; if none, `self.held` becomes the longest
-        suffix of `held + text` that is a proper prefix of a stop."""
+        suffix of `held + text` that is a proper prefix of a stop. Called for every chunk,
+        an empty one too: `held` is the request's only after a scan of its latest text."""
         matcher = self.matcher
-        if held == self.held:  # the same string object, as a rule: no comparison
+        if held == self.held:  # as a rule the very object made here: equal without reading it
             offset, node, searched = len(held), self._node, text
         else:
             offset, node, searched = 0, 0, held + text
