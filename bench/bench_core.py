@@ -20,10 +20,10 @@ rotation, as (b0) and (c0): before/after figures from one run, paired per repeat
 over the same requests as events, in continuous rounds of `--active` requests (docs/decode-
 options.md): (p) no options, (ps) four stop strings per request (ones the workload never
 completes, so every request runs its full length and the row measures matching and hold-back),
-(pl) top-5 logprobs on every token; with `--compare-with`, (p0) and (pl0) are (p) and (pl) on
-the other tree. Every processor row encodes its deltas and completions as the worker writes
-them (an option's cost includes its output records). Ratios to (p) are paired per repeat; (ps)
-must give (p)'s completions exactly.
+(pl) top-5 logprobs on every token; with `--compare-with`, (p0), (ps0) and (pl0) are (p), (ps)
+and (pl) on the other tree. Every processor row encodes its deltas and completions as the worker
+writes them (an option's cost includes its output records). Ratios to (p) are paired per
+repeat; (ps) must give (p)'s completions exactly.
 
     python -m bench.bench_core [--shared-dir ../shared] [--tokenizers gpt2,llama-spm] [--json]
                                [--compare-with /tmp/base] [--decode-options]
@@ -69,8 +69,8 @@ BENCH_STOPS = ["\n\nHuman:", "<|endoftext|>", "###", "Observation:"]
 TOP_LOGPROBS = 5
 
 
-def chunks_of(ids: list[int]) -> list[list[int]]:
-    return [ids[i : i + CHUNK] for i in range(0, len(ids), CHUNK)]
+def chunks_of(ids: list[int], size: int = CHUNK) -> list[list[int]]:
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 def method_hf_stream(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]:
@@ -168,10 +168,12 @@ def processor_rounds(
     stop: list[str] | None,
     logprobs: bool,
     vocab: int = 1,
+    chunk: int = CHUNK,
 ) -> list[list[tuple[ParsedEvent, EventOrigin]]]:
     """The requests as the batches a worker would hand its processor: windows of `active`
-    requests, each round one event of every request in the window (built outside timings).
-    With `logprobs`, every token gets its logprob and TOP_LOGPROBS alternatives below `vocab`."""
+    requests, each round one event (of `chunk` ids) of every request in the window (built
+    outside timings). With `logprobs`, every token gets its logprob and TOP_LOGPROBS
+    alternatives below `vocab`."""
     origin = EventOrigin("bench", 0, 0, b"")
     rounds = []
     for start in range(0, len(reqs), active):
@@ -187,17 +189,17 @@ def processor_rounds(
                     stop=stop,
                 )
             ]
-            for chunk in chunks_of(r["output_token_ids"]):
+            for ids in chunks_of(r["output_token_ids"], chunk):
                 events.append(
                     ParsedTokens(
                         request_id=request_id,
                         seq=len(events),
-                        token_ids=chunk,
-                        logprobs=[-0.25] * len(chunk) if logprobs else None,
+                        token_ids=ids,
+                        logprobs=[-0.25] * len(ids) if logprobs else None,
                         top_logprobs=(
                             [
                                 [((t + k) % vocab, -0.5 - k) for k in range(TOP_LOGPROBS)]
-                                for t in chunk
+                                for t in ids
                             ]
                             if logprobs
                             else None
@@ -241,13 +243,15 @@ def method_decode_batch(tok: Tokenizer, reqs: list[dict[str, Any]]) -> list[str]
     return tok.decode_batch([r["output_token_ids"] for r in reqs], skip_special_tokens=True)
 
 
-def timed(fn: Callable[[], list[str]]) -> tuple[float, list[str]]:
+def timed(
+    fn: Callable[[], list[str]], clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, list[str]]:
     gc.collect()
     gc.disable()
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         out = fn()
-        return time.perf_counter() - t0, out
+        return clock() - t0, out
     finally:
         gc.enable()
 
@@ -341,6 +345,7 @@ def bench_tokenizer(
         methods["pl"] = lambda: method_processor(registry, logprobs, count)
         if base is not None:
             methods["p0"] = lambda: method_processor(registry, plain, count, base_processor)
+            methods["ps0"] = lambda: method_processor(registry, stops, count, base_processor)
             methods["pl0"] = lambda: method_processor(registry, logprobs, count, base_processor)
     times: dict[str, list[float]] = {k: [] for k in methods}
     outputs: dict[str, list[str]] = {}
@@ -355,7 +360,7 @@ def bench_tokenizer(
     versus_base = {}
     if base is not None:
         versus_base = {k: paired_ratio(times[f"{k}0"], times[k]) for k in ("b", "c")}
-        pairs = [k for k in ("b", "c", "p", "pl") if k in times]
+        pairs = [k for k in ("b", "c", "p", "ps", "pl") if k in times]
         versus_base = {k: paired_ratio(times[f"{k}0"], times[k]) for k in pairs}
         versus_base["mismatches"] = sum(
             x != y for k in pairs for x, y in zip(outputs[k], outputs[f"{k}0"], strict=True)
@@ -400,6 +405,7 @@ LABELS = {
     "p": "(p) RequestProcessor, no decode options",
     "p0": "(p0) as (p), --compare-with tree",
     "ps": "(ps) RequestProcessor, 4 stop strings",
+    "ps0": "(ps0) as (ps), --compare-with tree",
     "pl": "(pl) RequestProcessor, top-5 logprobs",
     "pl0": "(pl0) as (pl), --compare-with tree",
 }

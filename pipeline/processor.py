@@ -51,7 +51,7 @@ from pipeline.request_state import (
     segment_key,
 )
 from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
-from pipeline.stop_strings import StopMatch, matcher_for
+from pipeline.stop_strings import StopMatch, scanner_for
 from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
 from pipeline.vocab_tables import profile_for
 from schemas.events import (
@@ -533,12 +533,11 @@ class RequestProcessor:
             text += state.stream.flush()
         if state.logprobs:
             self._record_logprobs(state, entry.events, pushed, texts or [])
-        matcher = state.stop_matcher
-        if matcher is None and state.stop is not None:
-            matcher = state.stop_matcher = matcher_for(state.stop)
-        if matcher is not None:
-            held = state.stop_held
-            match = matcher.find(held + text) if text else None
+        scanner = state.stop_matcher
+        if scanner is None and state.stop is not None:
+            scanner = state.stop_matcher = scanner_for(state.stop)
+        if scanner is not None:
+            match = scanner.scan(state.stop_held, text)
             if match is not None:
                 self._stop(entry, chunk, pushed, text, texts, before, match, result)
                 return
@@ -553,10 +552,9 @@ class RequestProcessor:
             return
         state.add_text(text)
         published = state.stop_held + text
-        if matcher is not None:
-            kept = 0 if finished else matcher.held_length(published)
-            state.stop_held = published[len(published) - kept :] if kept else ""
-            published = published[: len(published) - kept]
+        if scanner is not None:
+            state.stop_held = "" if finished else scanner.held
+            published = published[: len(published) - len(state.stop_held)]
         self._maybe_filtered_ids(entry.request_id, state, result)
         entries = self._new_entries(state, finished, state.text_chars)
         if published or finished or entries:

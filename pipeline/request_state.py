@@ -184,7 +184,7 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     # Logprob entries deltas carried, kept for the completion; not snapshotted (a restored
     # request rebuilds them from its columns).
     lp_built: list[Any] | tuple[()] = ()  # `TokenLogprob`s
-    stop_matcher: Any = None  # `stop_strings.StopMatcher` of `stop`, found on first use
+    stop_matcher: Any = None  # its `stop_strings.StopScanner`, made on first use
     logged_parts: int = 0  # leading `text_parts` already written as changelog segments
 
     def hold(self, seq: int, event: HeldEvent) -> dict[int, HeldEvent]:

@@ -10,21 +10,41 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline import stop_strings
 from pipeline.processor import RequestProcessor
-from pipeline.stop_strings import StopMatcher
+from pipeline.stop_strings import StopMatcher, StopScanner, matcher_for
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import Logprobs, TextDelta, dump_json
 from schemas.fast_events import ParsedPrompt, ParsedTokens
 from tests.unit.request_events import bytes_registry, finish, ids, reasons, run, run_records, tokens
 
-alphabet = st.text(alphabet="ab\u00e9\n", max_size=12)
-stop_lists = st.lists(
-    st.text(alphabet="ab\u00e9\n", min_size=1, max_size=4), min_size=1, max_size=4
-)
+# Stops that overlap, repeat, are prefixes and suffixes of each other, and hold multi-byte and
+# astral characters.
+CHARS = "ab\u00e9\U0001f389\n"
+alphabet = st.text(alphabet=CHARS, max_size=12)
+stop_lists = st.lists(st.text(alphabet=CHARS, min_size=1, max_size=4), min_size=1, max_size=4)
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[str, int, int] | None:
+    """The naive rule: each string's first occurrence (`str.find` over the whole text) is its
+    smallest end; the smallest end wins, and the longest string among those ending there."""
+    found = [(text.find(s) + len(s), -len(s), s) for s in set(stops) if s in text]
+    if not found:
+        return None
+    end, _, stop = min(found)
+    return stop, end - len(stop), end
+
+
+def held_suffix(text: str, stops: list[str]) -> str:
+    """The naive hold-back: the longest suffix of `text` that is a proper prefix of a stop."""
+    for start in range(len(text)):
+        if any(len(s) > len(text) - start and s.startswith(text[start:]) for s in stops):
+            return text[start:]
+    return ""
 
 
 @given(alphabet, stop_lists)
-def test_find_is_the_smallest_end_and_the_longest_there(text: str, stops: list[str]) -> None:
+def test_a_scan_is_the_smallest_end_and_the_longest_there(text: str, stops: list[str]) -> None:
     expected = None
     for end in range(1, len(text) + 1):
         ending = [s for s in stops if text[:end].endswith(s)]
@@ -32,22 +52,62 @@ def test_find_is_the_smallest_end_and_the_longest_there(text: str, stops: list[s
             stop = max(ending, key=len)
             expected = (stop, end - len(stop), end)
             break
-    match = StopMatcher(stops).find(text)
-    assert (None if match is None else tuple(match)) == expected
+    match = StopScanner(StopMatcher(stops)).scan("", text)
+    assert (None if match is None else tuple(match)) == expected == first_stop(text, stops)
 
 
-@given(alphabet, stop_lists)
-def test_held_length_is_the_longest_suffix_that_is_a_proper_prefix(text, stops) -> None:
-    expected = max(
-        (
-            n
-            for n in range(1, len(text) + 1)
-            for s in stops
-            if len(s) > n and s.startswith(text[-n:])
-        ),
-        default=0,
-    )
-    assert StopMatcher(stops).held_length(text) == expected
+@given(
+    st.lists(st.text(alphabet=CHARS, max_size=6), max_size=12),
+    stop_lists,
+    st.lists(st.booleans(), min_size=12, max_size=12),
+)
+def test_chunked_scans_are_the_whole_text_rule(
+    chunks: list[str], stops: list[str], restores: list[bool]
+) -> None:
+    """Fed chunk by chunk with the held text carried between them (as the processor does,
+    sometimes through a fresh scanner, as after a restore from a snapshot), the first stop is
+    the naive rule's on the whole text, and the held text the naive hold-back so far."""
+    matcher = StopMatcher(stops)
+    scanner = StopScanner(matcher)
+    text = held = ""
+    expected = None
+    for chunk, restore in zip(chunks, restores, strict=False):
+        if restore:
+            scanner = StopScanner(matcher)
+        base = len(text) - len(held)  # where `held + chunk` starts in the text
+        text += chunk
+        expected = first_stop(text, stops)
+        match = scanner.scan(held, chunk)
+        if match is not None:
+            assert (match.stop, base + match.start, base + match.end) == expected
+            return
+        assert expected is None
+        held = scanner.held
+        assert held == held_suffix(text, stops)
+    assert expected is None
+
+
+def test_shared_prefixes_branch_and_fail_over() -> None:
+    # A stop inside a longer one's prefix, two long stops sharing a prefix that branches, and
+    # a failure link from deep in one chain into another.
+    scanner = StopScanner(StopMatcher(["abcx", "abcy", "bcz", "c"]))
+    assert scanner.scan("", "ab") is None and scanner.held == "ab"
+    assert tuple(scanner.scan("ab", "cz")) == ("c", 2, 3)  # "c" ends first
+    scanner = StopScanner(StopMatcher(["abcx", "abcy", "bcz"]))
+    assert scanner.scan("", "zab") is None and scanner.held == "ab"
+    assert scanner.scan("ab", "c") is None and scanner.held == "abc"
+    assert tuple(scanner.scan("abc", "z")) == ("bcz", 1, 4)
+
+
+def test_the_matcher_cache_is_bounded_in_characters(monkeypatch) -> None:
+    # A producer sending a fresh long stop list per request: each list is cached (and reused
+    # while its requests live), but the cache never holds more than its bound in characters.
+    monkeypatch.setattr(stop_strings, "_MATCHERS", {})
+    monkeypatch.setattr(stop_strings, "_MAX_CACHED_CHARS", 10_000, raising=False)
+    for n in range(40):
+        stops = [f"{n}:{'x' * 998}"]
+        assert matcher_for(stops) is matcher_for(stops)
+        assert sum(len(s) for key in stop_strings._MATCHERS for s in key) <= 10_000
 
 
 @pytest.fixture(scope="module")
