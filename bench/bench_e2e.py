@@ -937,8 +937,8 @@ def add_local_broker_option(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=DEFAULT_DATA_DIR,
         help="the local broker's state directory (`detok broker start --data-dir`), e.g. on "
-        "tmpfs to measure without the disk's stalls (README, 'The broker's storage'); started "
-        "there if no broker answers",
+        "tmpfs to measure without the disk's stalls (docs/performance.md, 'The broker's "
+        "storage'); started there if no broker answers",
     )
 
 
@@ -1337,7 +1337,8 @@ def print_table(report: dict[str, Any]) -> None:
                 f"  the broker's {GROUP_DELAY}",
                 f"{delay} ms",
                 "2 workers started together share the first assignment only if they join "
-                "within it (Kafka's default 3000; README, 'Two workers started together')",
+                "within it (Kafka's default 3000; docs/performance.md, 'Two workers started "
+                "together')",
                 "",
             )
         )

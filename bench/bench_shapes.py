@@ -8,7 +8,8 @@ else on the local broker, with real tokenizers:
   prompts 8k    the same generations behind prompts of 8,192 ids, sent whole (~50 KB each);
   prompts 32k   the same behind prompts of 32,768 ids, sent whole (~200 KB each, under the 1 MB
                 limit, so replay sends them whole) and as 64-id tails (`replay --prompt-tail
-                64`, exact: README 'Prompt tails'; as many requests as today's workload);
+                64`, exact: docs/production-shapes.md 'Prompt tails'; as many requests as
+                today's workload);
   long gens     16k-32k generated ids per request;
   backlog       N prompt-only requests never finished (default 200,000; `--open-requests
                 1000000`, alias `--backlog`): worker RSS per open request (slope between N/2

@@ -56,7 +56,8 @@ def check_aligned(
             raise ValueError(f"{name} has {len(values)} entries for {len(ids)} token ids")
 
 
-# The prompt's full length when `prompt_token_ids` is only its tail (see README, 'Prompt tails').
+# The prompt's full length when `prompt_token_ids` is only its tail (docs/production-shapes.md,
+# 'Prompt tails').
 PROMPT_TAIL_IDS = 64  # = pipeline.decode_state.PROMPT_CONTEXT_IDS (schemas import nothing else)
 PROMPT_TOKENS_DESCRIPTION = (
     "The prompt's full length in ids when prompt_token_ids carries only its tail (absent: the "

@@ -33,7 +33,7 @@ from typing import Any
 
 CONFIG_FILE_ENV = "DETOK_KAFKA_CONFIG_FILE"
 # The worker's earlier form: a JSON object of client settings. Still read (between the file and
-# `-X`), so existing deployments keep working; the README documents the file form instead.
+# `-X`), so existing deployments keep working; docs/security.md documents the file form instead.
 LEGACY_JSON_ENV = "DETOK_KAFKA_CONFIG"
 REDACTED = "[redacted]"
 OAUTH_CALLBACK = "oauth_cb"

@@ -117,9 +117,10 @@ def _prompt_record(
 ) -> bytes:
     """A prompt event's value: the whole prompt, or its tail with the full count.
 
-    A tail of `PROMPT_CONTEXT_IDS` ids decodes exactly as the whole prompt (README, 'Prompt
-    tails'), so a prompt too large for the topic (a 150k-id prompt passes Kafka's default 1 MB)
-    is sent as that tail rather than refused; `prompt_tail` asks for tails of every prompt.
+    A tail of `PROMPT_CONTEXT_IDS` ids decodes exactly as the whole prompt
+    (docs/production-shapes.md, 'Prompt tails'), so a prompt too large for the topic (a 150k-id
+    prompt passes Kafka's default 1 MB) is sent as that tail rather than refused; `prompt_tail`
+    asks for tails of every prompt.
     """
     assert type(event) is ParsedPrompt
     ids = event.prompt_token_ids

@@ -1,4 +1,4 @@
-"""Prompt tails on the real tokenizers (README, 'Prompt tails'; issue 15 item 1).
+"""Prompt tails on the real tokenizers (docs/production-shapes.md, 'Prompt tails'; issue 15 item 1).
 
 Seeding reads only the last `PROMPT_CONTEXT_IDS` (64) prompt ids, so a prompt event carrying
 that tail and the full count (`prompt_tokens`) must give exactly what the whole prompt gives:
