@@ -39,7 +39,13 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, ClusterMetadata, ConfigResource, ResourceType
 
-from workers.kafka_config import KafkaConfigError, check_protected, client_properties, redacted
+from workers.kafka_config import (
+    KafkaConfigError,
+    check_protected,
+    client_properties,
+    redact_text,
+    redacted,
+)
 
 BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 PRODUCER_DEFAULTS: Mapping[str, Any] = {
@@ -135,6 +141,11 @@ class KafkaConnection:
     def __repr__(self) -> str:
         return f"KafkaConnection({self.bootstrap_servers!r}, {redacted(self.properties)!r})"
 
+    def redact(self, text: str) -> str:
+        """`text` (an error or log message: librdkafka's may echo a secret) with every secret of
+        this connection's properties replaced (`kafka_config.redact_text`)."""
+        return redact_text(text, self.properties)
+
     def client_config(
         self, settings: Mapping[str, Any], *, start_up: bool = False
     ) -> dict[str, Any]:
@@ -174,13 +185,16 @@ class RefusalWatch:
 
     def __init__(self, bootstrap_servers: str, properties: Mapping[str, Any]) -> None:
         self.bootstrap_servers = bootstrap_servers
+        self.properties = properties
         self.protocol = str(properties.get("security.protocol", "plaintext")).upper()
         self.transport_errors = 0
 
     def __call__(self, error: KafkaError) -> None:
         code = error.code()
         if code in (KafkaError._AUTHENTICATION, KafkaError._SSL):
-            raise KafkaException(error)
+            # The text may quote a secret (a malformed sasl.oauthbearer.config, from where
+            # librdkafka stopped reading it): the exception travels on without it.
+            raise KafkaException(KafkaError(code, redact_text(error.str(), self.properties)))
         if code == KafkaError._TRANSPORT:
             self.transport_errors += 1
         elif code == KafkaError._ALL_BROKERS_DOWN and not self.transport_errors:
@@ -271,6 +285,14 @@ def produce(producer: Producer, topic: str, value: bytes | None, **kwargs: Any) 
             return
         except BufferError:
             producer.poll(QUEUE_FULL_WAIT_S)
+
+
+def kafka_error_text(error: KafkaException) -> str:
+    """The client library's message in `error`, else the error's name (a message can be empty),
+    never an empty cause. Not redacted: print it through `KafkaConnection.redact`."""
+    if not error.args or not isinstance(error.args[0], KafkaError):
+        return str(error) or type(error).__name__
+    return error.args[0].str() or error.args[0].name()
 
 
 class KafkaUnavailable(Exception):
