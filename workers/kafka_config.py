@@ -187,10 +187,18 @@ def secret_fragments(config: Mapping[str, Any]) -> frozenset[str]:
 def redact_text(text: str, config: Mapping[str, Any]) -> str:
     """`text` (an error or log message, possibly librdkafka's) with every secret value of
     `config`, or any part of one `secret_fragments` names, replaced by REDACTED."""
-    fragments = sorted(secret_fragments(config), key=len, reverse=True)  # the longest match wins
-    if not fragments:
-        return text
-    return re.sub("|".join(map(re.escape, fragments)), REDACTED, text)
+    return _redact(text, secrets_pattern(config))
+
+
+def secrets_pattern(config: Mapping[str, Any]) -> re.Pattern[str] | None:
+    """One pattern matching any of `config`'s secret fragments, the longest where several start
+    at one place; None when the config holds no secret."""
+    fragments = sorted(secret_fragments(config), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, fragments))) if fragments else None
+
+
+def _redact(text: str, pattern: re.Pattern[str] | None) -> str:
+    return pattern.sub(REDACTED, text) if pattern is not None else text
 
 
 class RedactingFilter(logging.Filter):
@@ -199,14 +207,16 @@ class RedactingFilter(logging.Filter):
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
-        self.config = dict(config)
+        self.pattern = secrets_pattern(config)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = redact_text(record.getMessage(), self.config), None
+        if self.pattern is None:
+            return True
+        record.msg, record.args = _redact(record.getMessage(), self.pattern), None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
-            record.exc_text = redact_text(record.exc_text, self.config)
+            record.exc_text = _redact(record.exc_text, self.pattern)
         return True
 
 
