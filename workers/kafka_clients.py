@@ -384,6 +384,24 @@ class DeliveryTracker:
         return report
 
 
+def serve_refusals(client: Consumer | Producer | AdminClient) -> None:
+    """Serve a start-up client's callbacks (`poll(0)`), raising the refusal `RefusalWatch` saw.
+
+    Raised again as a new exception: confluent-kafka keeps an extra reference to an exception
+    raised in a callback, so that one lives forever, and with it its traceback, the frames it
+    passed and the client in them. An admin client left alive so is destroyed only at interpreter
+    exit, while its background thread still calls into Python to complete a pending request: a
+    worker refused at start-up (a listener closing every connection) exited 1 with rc 139 now and
+    then (issue 32 #14). The original is left with no traceback and no context (an exception
+    being handled when the callback ran, whose own traceback holds the client too).
+    """
+    try:
+        client.poll(0)
+    except KafkaException as refusal:
+        refusal.__traceback__ = refusal.__context__ = refusal.__cause__ = None
+        raise KafkaException(*refusal.args) from None
+
+
 def cluster_metadata(
     client: Consumer | Producer | AdminClient, timeout_s: float, topic: str | None = None
 ) -> ClusterMetadata:
@@ -398,7 +416,7 @@ def cluster_metadata(
         try:
             return client.list_topics(topic, timeout=min(METADATA_SLICE_S, timeout_s))
         except KafkaException as error:
-            client.poll(0)  # raises the refusal RefusalWatch saw, if any
+            serve_refusals(client)
             if time.monotonic() >= deadline:
                 raise KafkaUnavailable(
                     f"no Kafka broker answered within {timeout_s:.0f} s ({error.args[0].str()})"
