@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import (
     AclBinding,
     AclOperation,
@@ -35,7 +36,7 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from workers.kafka_clients import KafkaConnection, make_admin
+from workers.kafka_clients import KafkaConnection, cluster_metadata, kafka_error_text, make_admin
 from workers.topic_names import TopicNames
 
 Role = Literal["worker", "reader", "producer"]
@@ -48,6 +49,9 @@ DEFAULT_GROUPS: dict[Role, str] = {
 # Creating a handful of ACLs takes milliseconds on a live cluster; 30 s covers a controller that
 # is still starting without letting the command hang.
 ADMIN_TIMEOUT_S = 30.0
+# The wait for each answer outlasts the request's own timeout by this much, so a request that
+# timed out says so (librdkafka's error) instead of the wait ending first with no cause at all.
+ANSWER_MARGIN_S = 5.0
 
 READ, WRITE = AclOperation.READ, AclOperation.WRITE
 DESCRIBE_CONFIGS = AclOperation.DESCRIBE_CONFIGS
@@ -113,14 +117,29 @@ def role_grants(role: Role, names: TopicNames, group: str | None = None) -> list
     ]
 
 
-def grant(connection: KafkaConnection, principal: str, grants: list[Grant]) -> None:
-    """Create `grants` for `principal` (idempotent: an existing ACL is not duplicated)."""
+def grant(
+    connection: KafkaConnection,
+    principal: str,
+    grants: list[Grant],
+    timeout_s: float = ADMIN_TIMEOUT_S,
+) -> None:
+    """Create `grants` for `principal` (idempotent: an existing ACL is not duplicated).
+
+    The cluster is asked for its metadata first, so no broker (KafkaUnavailable) and a refused
+    login (KafkaException, from `RefusalWatch`) are named within `timeout_s` instead of as an
+    ACL request that timed out without a cause.
+    """
     admin = make_admin(connection)
-    futures = admin.create_acls(
-        [g.binding(principal) for g in grants], request_timeout=ADMIN_TIMEOUT_S
-    )
+    cluster_metadata(admin, timeout_s)
+    futures = admin.create_acls([g.binding(principal) for g in grants], request_timeout=timeout_s)
     for binding, future in futures.items():
+        what = f"creating {binding.restype.name} {binding.name!r}"
         try:
-            future.result(timeout=ADMIN_TIMEOUT_S)
-        except Exception as error:  # KafkaException, or the future's own timeout
-            raise AclError(f"creating {binding.restype.name} {binding.name!r}: {error}") from None
+            future.result(timeout=timeout_s + ANSWER_MARGIN_S)
+        except KafkaException as error:
+            raise AclError(f"{what}: {kafka_error_text(error)}") from None
+        except TimeoutError:
+            raise AclError(
+                f"{what}: the cluster at {connection.bootstrap_servers} did not answer within "
+                f"{timeout_s + ANSWER_MARGIN_S:.0f} s"
+            ) from None

@@ -6,22 +6,30 @@ the same thing, validated the same way, and the bounds below are documented once
 
 from __future__ import annotations
 
+import re
 import uuid
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from workers.kafka_clients import KafkaConnection, configured_connection
 from workers.topic_names import TopicNames
 
 Guarantee = Literal["exactly-once", "at-least-once"]
+ENV_PREFIX = "DETOK_"
+# What a list setting's variable holds, shown when it is not JSON (a usage error, not a traceback).
+ENV_LIST_EXAMPLES = {
+    "tokenizers": '["gpt2=/models/gpt2/tokenizer.json"]',
+    "model_vocab_sizes": '["olmo2=100352"]',
+    "kafka_overrides": '["linger.ms=5", "compression.type=lz4"]',
+}
 
 
 class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DETOK_", env_nested_delimiter="__", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", frozen=True)
 
     # Else `bootstrap.servers` of the Kafka config, else $KAFKA_BOOTSTRAP_SERVERS (`connection`).
     bootstrap_servers: str | None = None
@@ -88,3 +96,42 @@ class WorkerSettings(BaseSettings):
     @property
     def transactional_id(self) -> str:
         return f"detok-{self.group}-{self.instance_id}"
+
+
+def settings_problem(error: ValidationError | SettingsError) -> str:
+    """One line for a worker setting refused at start-up (a usage error, exit 2): which setting
+    (flag name and DETOK_* variable) and what it takes. pydantic's own text is several lines, and
+    quotes the input, which may be a secret (`kafka_overrides`); this line never does."""
+    if isinstance(error, SettingsError):
+        return _unparsed_variable(str(error))
+    problems = []
+    for detail in error.errors(include_input=False, include_url=False):
+        names = [str(part) for part in detail["loc"] if isinstance(part, str)]
+        where = ".".join(str(part) for part in detail["loc"])
+        if error.title == WorkerSettings.__name__ and names:
+            where += f" ({_variable('__'.join(names))})"
+        problems.append(f"{where}: {detail['msg']}")
+    return "; ".join(problems)
+
+
+def _unparsed_variable(text: str) -> str:
+    """pydantic-settings parses a list or model variable as JSON and names only the field."""
+    match = re.search(r'field "(\w+)"', text)
+    field = match[1] if match else ""
+    if field not in WorkerSettings.model_fields:
+        return text
+    annotation = WorkerSettings.model_fields[field].annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        nested = next(iter(annotation.model_fields))
+        takes = (
+            f'a JSON object (e.g. {{"{nested}": "NAME"}}), or one variable per field '
+            f"({_variable(field)}__{nested.upper()}=NAME)"
+        )
+    else:
+        example = ENV_LIST_EXAMPLES.get(field, '["VALUE"]')
+        takes = f"a JSON list of strings, e.g. {_variable(field)}='{example}'"
+    return f"{_variable(field)} is not valid: it takes {takes}"
+
+
+def _variable(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"

@@ -39,7 +39,13 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, ClusterMetadata, ConfigResource, ResourceType
 
-from workers.kafka_config import KafkaConfigError, check_protected, client_properties, redacted
+from workers.kafka_config import (
+    KafkaConfigError,
+    check_protected,
+    client_properties,
+    redact_text,
+    redacted,
+)
 
 BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 PRODUCER_DEFAULTS: Mapping[str, Any] = {
@@ -135,6 +141,11 @@ class KafkaConnection:
     def __repr__(self) -> str:
         return f"KafkaConnection({self.bootstrap_servers!r}, {redacted(self.properties)!r})"
 
+    def redact(self, text: str) -> str:
+        """`text` (an error or log message: librdkafka's may echo a secret) with every secret of
+        this connection's properties replaced (`kafka_config.redact_text`)."""
+        return redact_text(text, self.properties)
+
     def client_config(
         self, settings: Mapping[str, Any], *, start_up: bool = False
     ) -> dict[str, Any]:
@@ -174,13 +185,16 @@ class RefusalWatch:
 
     def __init__(self, bootstrap_servers: str, properties: Mapping[str, Any]) -> None:
         self.bootstrap_servers = bootstrap_servers
+        self.properties = properties
         self.protocol = str(properties.get("security.protocol", "plaintext")).upper()
         self.transport_errors = 0
 
     def __call__(self, error: KafkaError) -> None:
         code = error.code()
         if code in (KafkaError._AUTHENTICATION, KafkaError._SSL):
-            raise KafkaException(error)
+            # The text may quote a secret (a malformed sasl.oauthbearer.config, from where
+            # librdkafka stopped reading it): the exception travels on without it.
+            raise KafkaException(KafkaError(code, redact_text(error.str(), self.properties)))
         if code == KafkaError._TRANSPORT:
             self.transport_errors += 1
         elif code == KafkaError._ALL_BROKERS_DOWN and not self.transport_errors:
@@ -273,6 +287,14 @@ def produce(producer: Producer, topic: str, value: bytes | None, **kwargs: Any) 
             producer.poll(QUEUE_FULL_WAIT_S)
 
 
+def kafka_error_text(error: KafkaException) -> str:
+    """The client library's message in `error`, else the error's name (a message can be empty),
+    never an empty cause. Not redacted: print it through `KafkaConnection.redact`."""
+    if not error.args or not isinstance(error.args[0], KafkaError):
+        return str(error) or type(error).__name__
+    return error.args[0].str() or error.args[0].name()
+
+
 class KafkaUnavailable(Exception):
     """No broker answered within a command's bound: a clear message instead of a hang or a
     librdkafka traceback."""
@@ -362,6 +384,24 @@ class DeliveryTracker:
         return report
 
 
+def serve_refusals(client: Consumer | Producer | AdminClient) -> None:
+    """Serve a start-up client's callbacks (`poll(0)`), raising the refusal `RefusalWatch` saw.
+
+    Raised again as a new exception: confluent-kafka keeps an extra reference to an exception
+    raised in a callback, so that one lives forever, and with it its traceback, the frames it
+    passed and the client in them. An admin client left alive so is destroyed only at interpreter
+    exit, while its background thread still calls into Python to complete a pending request: a
+    worker refused at start-up (a listener closing every connection) exited 1 with rc 139 now and
+    then (issue 32 #14). The original is left with no traceback and no context (an exception
+    being handled when the callback ran, whose own traceback holds the client too).
+    """
+    try:
+        client.poll(0)
+    except KafkaException as refusal:
+        refusal.__traceback__ = refusal.__context__ = refusal.__cause__ = None
+        raise KafkaException(*refusal.args) from None
+
+
 def cluster_metadata(
     client: Consumer | Producer | AdminClient, timeout_s: float, topic: str | None = None
 ) -> ClusterMetadata:
@@ -376,7 +416,7 @@ def cluster_metadata(
         try:
             return client.list_topics(topic, timeout=min(METADATA_SLICE_S, timeout_s))
         except KafkaException as error:
-            client.poll(0)  # raises the refusal RefusalWatch saw, if any
+            serve_refusals(client)
             if time.monotonic() >= deadline:
                 raise KafkaUnavailable(
                     f"no Kafka broker answered within {timeout_s:.0f} s ({error.args[0].str()})"

@@ -16,7 +16,12 @@ property passes through, later sources winning.
 
 Secrets (passwords, private keys, OAuth client secrets) reach librdkafka and nothing else:
 `redacted` is what any message or log that shows a configuration prints, and `KafkaConnection`'s
-repr uses it.
+repr uses it. A secret is a key on the known list, or one whose name looks like a secret's
+(`*password*`, `*secret*`, `*token*`, `*.pem`, a misspelling such as `sasl.pasword`), so a typo
+never puts a password in a log. librdkafka's own messages can echo a secret, whole or in part
+("Unrecognized sasl.oauthbearer.config beginning at: <the rest of the value>"), so every text
+from the client library that detok prints or logs goes through `redact_text` (commands' error
+lines, `RedactingFilter` on the worker's log).
 
 OAUTHBEARER token providers are Python callables; a properties file can only name one, so
 `oauth_cb=package.module:function` is imported and passed to librdkafka as the callback.
@@ -24,9 +29,12 @@ OAUTHBEARER token providers are Python callables; a properties file can only nam
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
+import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,8 +46,8 @@ LEGACY_JSON_ENV = "DETOK_KAFKA_CONFIG"
 REDACTED = "[redacted]"
 OAUTH_CALLBACK = "oauth_cb"
 
-# Keys whose values are secrets whatever their name says; besides these, any key containing
-# "password" or "secret" is one (sasl.oauthbearer.client.secret, ssl.keystore.password, ...).
+# Keys whose values are secrets whatever their name says; besides these, any key that looks like
+# one (`looks_secret`) is one.
 SECRET_KEYS = frozenset(
     {
         "sasl.password",
@@ -54,7 +62,30 @@ SECRET_KEYS = frozenset(
         "sasl.jaas.config",
     }
 )
-SECRET_WORDS = ("password", "secret", "passphrase", "private.key")
+# A key containing one of these is a secret (sasl.oauthbearer.client.secret, ssl.keystore.password,
+# sasl.oauthbearer.token.endpoint.url: a URL may carry credentials). "pass" and "pwd" catch
+# `passwd`, `sasl.pasword` and the like.
+SECRET_WORDS = (
+    "password",
+    "secret",
+    "token",
+    "passphrase",
+    "private.key",
+    "oauthbearer.config",
+    "jaas",
+    "pass",
+    "pwd",
+)
+# A key one of whose dot-separated words is this close to one of these (difflib's ratio) is a
+# misspelled secret: `sasl.pssword`, `sasl.secert`. 0.8 keeps every librdkafka property that is not
+# a secret out (tests/unit/test_redaction.py checks the list).
+SECRET_SPELLINGS = ("password", "secret", "token")
+MISSPELLING_RATIO = 0.8
+# Parts of a secret value shorter than this are not replaced in messages (a whole value always
+# is): "principal=bob" would otherwise turn every "bob" and "=" in a message into [redacted].
+MIN_FRAGMENT_CHARS = 4
+# A quoted or terminated value inside a compound secret (a JAAS line's password="x";).
+FRAGMENT_PUNCTUATION = "\"';,"
 
 # Settings detok's guarantees depend on: key -> the values a user may state (None: detok alone
 # sets it). The reason is part of the refusal, so an operator knows what they would lose.
@@ -106,8 +137,17 @@ class ProtectedSetting(KafkaConfigError):
 
 
 def is_secret(key: str) -> bool:
+    """Whether `key`'s value is a secret: on the list, or named like one (see SECRET_WORDS)."""
     lowered = key.lower()
-    return lowered in SECRET_KEYS or any(word in lowered for word in SECRET_WORDS)
+    if lowered in SECRET_KEYS or lowered.endswith(".pem"):
+        return True
+    if any(word in lowered for word in SECRET_WORDS):
+        return True
+    return any(
+        difflib.SequenceMatcher(None, part, spelling).ratio() >= MISSPELLING_RATIO
+        for part in re.split(r"[._-]", lowered)
+        for spelling in SECRET_SPELLINGS
+    )
 
 
 def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,6 +161,70 @@ def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
         else:
             shown[key] = value
     return shown
+
+
+def secret_fragments(config: Mapping[str, Any]) -> frozenset[str]:
+    """Every text of `config`'s secret values a message may echo: each whole value, and of a
+    compound one (`principal=bob lifeSeconds=...`, a JAAS line) every suffix from a word on, every
+    word, and every word's value after `=`, quoted or not (librdkafka quotes a value from the
+    offending word to the end, or one word's value). Parts shorter than MIN_FRAGMENT_CHARS are
+    left out, whole values never are."""
+    whole: set[str] = set()
+    parts: set[str] = set()
+    for key, value in config.items():
+        if not is_secret(key) or callable(value):
+            continue
+        text = _as_property(value)
+        if text.strip():
+            whole.add(text)
+        for word in re.finditer(r"\S+", text):
+            _, _, assigned = word.group().partition("=")
+            for part in (text[word.start() :], word.group(), assigned):
+                parts.update((part, part.strip(FRAGMENT_PUNCTUATION)))
+    return frozenset(whole | {part for part in parts if len(part) >= MIN_FRAGMENT_CHARS})
+
+
+def redact_text(text: str, config: Mapping[str, Any]) -> str:
+    """`text` (an error or log message, possibly librdkafka's) with every secret value of
+    `config`, or any part of one `secret_fragments` names, replaced by REDACTED."""
+    return _redact(text, secrets_pattern(config))
+
+
+def secrets_pattern(config: Mapping[str, Any]) -> re.Pattern[str] | None:
+    """One pattern matching any of `config`'s secret fragments, the longest where several start
+    at one place; None when the config holds no secret."""
+    fragments = sorted(secret_fragments(config), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, fragments))) if fragments else None
+
+
+def _redact(text: str, pattern: re.Pattern[str] | None) -> str:
+    return pattern.sub(REDACTED, text) if pattern is not None else text
+
+
+class RedactingFilter(logging.Filter):
+    """A log handler's filter that passes every record with `redact_text` applied to its message
+    (arguments merged in) and its traceback: the worker logs librdkafka's error texts."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.pattern = secrets_pattern(config)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pattern is None:
+            return True
+        record.msg, record.args = _redact(record.getMessage(), self.pattern), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = _redact(record.exc_text, self.pattern)
+        return True
+
+
+def redact_logs(config: Mapping[str, Any]) -> None:
+    """Put a RedactingFilter for `config` on every handler of the root logger (call it after
+    `logging.basicConfig`), so nothing any module logs shows one of `config`'s secrets."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter(config))
 
 
 def parse_properties(text: str, source: str) -> dict[str, str]:

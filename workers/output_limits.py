@@ -24,6 +24,7 @@ from workers.kafka_clients import (
     TopicConfigUnread,
     describe_topic_configs,
     make_admin,
+    serve_refusals,
 )
 from workers.topic_names import TopicNames
 
@@ -153,7 +154,7 @@ def _await_answer(
     # The stop request is checked before each answer is read, even one already there, so it also
     # ends a round of asking again about topics not known yet.
     while True:
-        admin.poll(0)  # serves RefusalWatch: a refused login ends the wait, named
+        serve_refusals(admin)  # a refused login ends the wait, named (see RefusalWatch)
         if should_stop():
             raise TopicsUnavailable("stopped while reading the topic configurations")
         if future.done():

@@ -7,12 +7,13 @@ import sys
 
 from pydantic import ValidationError
 
-from workers.acls import DEFAULT_GROUPS, ROLES, AclError, grant, role_grants
+from workers.acls import ADMIN_TIMEOUT_S, DEFAULT_GROUPS, ROLES, AclError, grant, role_grants
 from workers.commands import failures
 from workers.commands.options import (
     add_connection_options,
     add_topic_options,
     connection_from,
+    positive_float,
     topic_names_from,
 )
 
@@ -42,6 +43,14 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     grant_parser.add_argument(
         "--dry-run", action="store_true", help="print the ACLs instead of creating them"
     )
+    grant_parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=ADMIN_TIMEOUT_S,
+        metavar="S",
+        help=f"give up (exit 1, naming the cause) if the cluster has not answered within S s "
+        f"(default {ADMIN_TIMEOUT_S:.0f})",
+    )
     grant_parser.set_defaults(func=run_grant)
 
 
@@ -58,12 +67,11 @@ def run_grant(args: argparse.Namespace) -> int:
         print(one.describe(args.principal))
     if args.dry_run:
         return 0
+    connection = None
     try:
-        grant(connection_from(args), args.principal, grants)
-    except AclError as error:
-        print(f"detok acls grant: {error}", file=sys.stderr)
-        return 1
-    except failures.KAFKA_FAILURES as error:
-        return failures.report("acls grant", error)
+        connection = connection_from(args)
+        grant(connection, args.principal, grants, args.timeout)
+    except (AclError, *failures.KAFKA_FAILURES) as error:
+        return failures.report("acls grant", error, connection)
     print(f"granted {len(grants)} ACLs to {args.principal} ({args.role})")
     return 0

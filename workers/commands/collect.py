@@ -49,12 +49,12 @@ def run(args: argparse.Namespace) -> int:
     except FormatError as error:
         print(f"detok collect: {error}", file=sys.stderr)
         return 2
+    connection = None
     try:
-        completions = collect(
-            connection_from(args), topic, expect=args.expect, idle_timeout_s=args.timeout
-        )
+        connection = connection_from(args)
+        completions = collect(connection, topic, expect=args.expect, idle_timeout_s=args.timeout)
     except failures.KAFKA_FAILURES as error:
-        return failures.report("collect", error)
+        return failures.report("collect", error, connection)
     try:
         write_completions(args.output, completions, fmt, created=int(time.time()))
     except (OSError, FormatError) as error:

@@ -92,4 +92,4 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         return run(options)
     except failures.KAFKA_FAILURES as error:
-        return failures.report("demo", error)
+        return failures.report("demo", error, connection)

@@ -38,9 +38,11 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 def run_redrive(args: argparse.Namespace) -> int:
     names = topic_names_from(args)
+    connection = None
     try:
-        sent = redrive(connection_from(args), names, reason=args.reason)
+        connection = connection_from(args)
+        sent = redrive(connection, names, reason=args.reason)
     except failures.KAFKA_FAILURES as error:
-        return failures.report("dlq redrive", error)
+        return failures.report("dlq redrive", error, connection)
     print(f"redriven {sent} dead letters to {names.input}")
     return 0

@@ -63,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
     # Prompts sent as tails because they would pass the record limit are logged (stderr).
     logging.basicConfig(level=logging.INFO, format="detok replay: %(message)s")
     topic = topic_names_from(args).input
+    connection = None
     try:
+        connection = connection_from(args)
         totals = replay(
-            connection_from(args),
+            connection,
             args.input,
             topic,
             input_format=args.input_format,
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             prompt_tail=args.prompt_tail,
         )
     except failures.KAFKA_FAILURES as error:
-        return failures.report("replay", error)
+        return failures.report("replay", error, connection)
     except (OSError, FormatError) as error:
         print(f"detok replay: {error}", file=sys.stderr)
         return 2

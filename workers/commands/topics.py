@@ -51,15 +51,15 @@ def run_ensure(args: argparse.Namespace) -> int:
     except ValidationError as error:
         print(f"detok topics ensure: {error}", file=sys.stderr)
         return 2
+    connection = None
     try:
-        result = ensure_topics(
-            connection_from(args), names, args.partitions, args.replication_factor
-        )
+        connection = connection_from(args)
+        result = ensure_topics(connection, names, args.partitions, args.replication_factor)
     except TopicConfigurationMismatch as error:
         print(f"detok topics ensure: refused: {error}", file=sys.stderr)
         return 1
     except failures.KAFKA_FAILURES as error:
-        return failures.report("topics ensure", error)
+        return failures.report("topics ensure", error, connection)
     for name in result.created:
         print(f"created   {name}")
     for name in result.validated:

@@ -13,21 +13,23 @@ import sys
 
 from confluent_kafka import KafkaException
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from pipeline.tokenizer_registry import (
     TokenizerRegistry,
     TokenizerSpecError,
     parse_vocab_size_specs,
 )
+from workers.commands import failures
 from workers.commands.options import (
     add_connection_options,
     add_tokenizer_options,
     add_topic_options,
     topic_names_from,
 )
-from workers.config import WorkerSettings
+from workers.config import WorkerSettings, settings_problem
 from workers.health import Health
-from workers.kafka_config import KafkaConfigError
+from workers.kafka_config import KafkaConfigError, redact_logs
 from workers.output_limits import TopicLimitError, TopicsUnavailable, read_output_limits
 from workers.process_policy import StopRequest, tune_garbage_collector
 from workers.prometheus import PrometheusMetrics
@@ -35,6 +37,7 @@ from workers.topic_names import TopicNames
 from workers.worker import Worker
 
 log = logging.getLogger(__name__)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -88,8 +91,17 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port"
     )
     parser.add_argument("--metrics-host", help="interface /metrics listens on (default: all)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", type=log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}"
+    )
     parser.set_defaults(func=run)
+
+
+def log_level(text: str) -> str:
+    """An argparse type: a logging level name, any case (`logging` raises on any other)."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.upper()
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -106,15 +118,20 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
         stream=sys.stderr,
     )
     try:
         settings = settings_from_args(args)
+        # Every log line from here on: librdkafka's error texts may echo a secret.
+        redact_logs(settings.connection.properties)
         log.info("Kafka %r", settings.connection)  # redacted: see KafkaConnection
         vocab_sizes = parse_vocab_size_specs(settings.model_vocab_sizes)
-    except (ValidationError, TokenizerSpecError, KafkaConfigError) as error:
+    except (ValidationError, SettingsError) as error:
+        print(f"detok worker: {settings_problem(error)}", file=sys.stderr)
+        return 2
+    except (TokenizerSpecError, KafkaConfigError) as error:
         print(f"detok worker: {error}", file=sys.stderr)
         return 2
     stop = StopRequest()
@@ -132,11 +149,9 @@ def run(args: argparse.Namespace) -> int:
     except (TopicsUnavailable, TopicLimitError) as error:
         if stop.requested:
             return 0
-        print(f"detok worker: {error}", file=sys.stderr)
-        return 1
+        return failures.report("worker", error, settings.connection)
     except KafkaException as error:  # a refused login or handshake (kafka_clients.RefusalWatch)
-        print(f"detok worker: Kafka error: {error.args[0].str()}", file=sys.stderr)
-        return 1
+        return failures.report("worker", error, settings.connection)
     try:
         registry = TokenizerRegistry.from_specs(settings.tokenizers, vocab_sizes)
     except TokenizerSpecError as error:
