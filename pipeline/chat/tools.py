@@ -38,7 +38,7 @@ class ToolStage:
 
     __slots__ = (
         "fmt", "request_id", "region", "held", "buf", "raw", "calls", "called", "depth",
-        "in_string", "escaped",
+        "in_string", "escaped", "adjacent",
     )  # fmt: skip
 
     def __init__(self, fmt: ToolFormat, request_id: str) -> None:
@@ -53,6 +53,9 @@ class ToolStage:
         self.depth = 0
         self.in_string = False
         self.escaped = False
+        # vLLM's llama3_json skips a `{` right at the end of the previous object (its
+        # `start_index <= end_index` test) and reads the objects inside it instead.
+        self.adjacent = False
 
     def feed(self, text: str, out: DeltaBuilder, final: bool = False) -> None:
         """Parse `text` (content after reasoning); `final` flushes and closes what is open."""
@@ -160,6 +163,12 @@ class ToolStage:
 
     def _objects(self, text: str, pos: int, out: DeltaBuilder, final: bool) -> int:
         if self.depth == 0:
+            if self.adjacent:
+                self.adjacent = False
+                if text[pos] == "{":
+                    if self.raw is not None:
+                        self.raw.append("{")
+                    return pos + 1
             start = text.find("{", pos)
             between = text[pos:] if start < 0 else text[pos:start]
             if self.raw is not None:  # text between calls is dropped once a call is read
@@ -199,7 +208,7 @@ class ToolStage:
 
     def _close_object(self, text: str, pos: int, out: DeltaBuilder) -> int:
         body = "".join(self.buf)
-        self.buf = []
+        self.buf, self.adjacent = [], True
         call = json_object_call(body)
         if call is None and self.raw is not None:
             out.content.extend(self.raw)
@@ -283,6 +292,7 @@ class ToolStage:
             "depth": self.depth,
             "in_string": self.in_string,
             "escaped": self.escaped,
+            "adjacent": self.adjacent,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
