@@ -7,17 +7,19 @@ Tool-call deltas are in OpenAI's `ChoiceDeltaToolCall` shape: a call's first del
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 
-@dataclass(slots=True)
-class ChatDelta:
-    """The text each field gained in one feed (empty when nothing became final)."""
+class ChatDelta(NamedTuple):
+    """The text each field gained in one feed (empty when nothing became final).
+
+    A tuple: one is made per feed, and a tuple is the cheapest object to make.
+    """
 
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = []  # never mutated: a fresh list when there are calls
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)

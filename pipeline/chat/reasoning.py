@@ -24,7 +24,9 @@ _FOLLOW_NEXT = re.compile(r"[\s=]")
 class ReasoningStage:
     """One request's reasoning split; its fields are plain values (see `snapshot`)."""
 
-    __slots__ = ("fmt", "active", "in_reasoning", "held", "start_seen", "implicit", "lead")
+    __slots__ = (
+        "fmt", "active", "in_reasoning", "held", "start_seen", "implicit", "lead",
+    )  # fmt: skip
 
     def __init__(self, fmt: ReasoningFormat, prompt_state: PromptState = None) -> None:
         self.fmt = fmt

@@ -57,14 +57,17 @@ class ToolStage:
         # `start_index <= end_index` test) and reads the objects inside it instead.
         self.adjacent = False
 
-    def feed(self, text: str, out: DeltaBuilder, final: bool = False) -> None:
-        """Parse `text` (content after reasoning); `final` flushes and closes what is open."""
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """Parse `text` (content after reasoning); `final` flushes and closes what is open.
+        Returns the content and the tool-call deltas it makes final."""
+        out = DeltaBuilder()
         text, self.held = self.held + text, ""
         pos, size = 0, len(text)
         while pos < size:
             pos = _READERS[self.region](self, text, pos, out, final)
         if final:
             self._finish(out)
+        return "".join(out.content), out.tool_calls
 
     def _until(
         self, text: str, pos: int, markers: tuple[str, ...], final: bool
