@@ -113,3 +113,28 @@ def test_feed_after_finish_is_an_error() -> None:
     parser.finish()
     with pytest.raises(RuntimeError):
         parser.feed("x")
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [" \n", "a</think>b"],  # held leading whitespace, then reasoning
+        ["ab</th", "ink>c"],  # mid end marker
+        ["x<tool_call> ", "\n<func", "tion=f>"],  # mid implicit end (qwen3)
+        ["<tool_call> no", " <tool_call><function=f>"],  # only the first <tool_call> counts
+        ["<tool_call>\n<function=f>", "x"],  # ended at once: reasoning None, not ""
+        ['</think><tool_call>{"name": "f", ', '"arguments": {}}</tool', "_call>"],
+    ],
+)
+def test_restore_between_any_two_pieces(pieces: list[str]) -> None:
+    """kill -9 between two feeds: the restored parser ends with the uncut stream's result."""
+    fmts = (reasoning_format("qwen3"), tool_format("hermes"))
+    _, expected = parse("".join(pieces), offers_tools=True)
+    for cut in range(1, len(pieces)):
+        parser = ChatParser(*fmts, request_id="r1", offers_tools=True)
+        for piece in pieces[:cut]:
+            parser.feed(piece)
+        restored = ChatParser.restore(parser.snapshot(), *fmts, request_id="r1")
+        for piece in pieces[cut:]:
+            restored.feed(piece)
+        assert restored.finish()[1] == expected
