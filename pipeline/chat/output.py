@@ -40,18 +40,18 @@ class ChatResult:
 
     @property
     def finish_reason(self) -> str | None:
-        """ "tool_calls" when calls were parsed, else None (the stream's own reason stands)."""
+        """The finish reason: "tool_calls" when calls were parsed, else None (the stream keeps
+        its own)."""
         return "tool_calls" if self.tools_called else None
 
 
 class DeltaBuilder:
-    """Collects one feed's output; argument pieces of one call within a feed merge."""
+    """Collects the tool stage's output of one feed; argument pieces of one call merge."""
 
-    __slots__ = ("content", "reasoning", "tool_calls")
+    __slots__ = ("content", "tool_calls")
 
     def __init__(self) -> None:
         self.content: list[str] = []
-        self.reasoning: list[str] = []
         self.tool_calls: list[dict[str, Any]] = []
 
     def start_call(self, index: int, call_id: str, name: str, arguments: str = "") -> None:
@@ -68,6 +68,3 @@ class DeltaBuilder:
             calls[-1]["function"]["arguments"] += piece
         else:
             calls.append({"index": index, "function": {"arguments": piece}})
-
-    def build(self) -> ChatDelta:
-        return ChatDelta("".join(self.content), "".join(self.reasoning), self.tool_calls)

@@ -46,7 +46,8 @@ class ReasoningStage:
         self.lead: str | None = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
-        """(reasoning, content) that `text` makes final; `final` flushes what is held."""
+        """(reasoning, content) that `text` makes final. `final` flushes what is held: a held
+        marker prefix is text after all, and an undecided implicit end is denied."""
         if not self.in_reasoning:
             return "", text
         text, self.held = self.held + text, ""
@@ -60,10 +61,6 @@ class ReasoningStage:
             pos = len(marker) if self.implicit == "denied" else len(text)
         content = self._scan(text, pos, reasoning, final)
         return "".join(reasoning), content
-
-    def finish(self) -> tuple[str, str]:
-        """Flush what is held: held marker prefixes are text; an undecided end is denied."""
-        return self.feed("", final=True)
 
     def result(self, reasoning: str) -> str | None:
         """The final reasoning as vLLM reports it: None when absent, else the text ("" too)."""
