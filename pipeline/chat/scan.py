@@ -2,12 +2,12 @@
 
 A chat format switches region at literal markers (`<think>`, `</tool_call>`, `[TOOL_CALLS]`).
 Text arrives in pieces of any size, so a marker can be split across pieces. The rule is the one
-stop strings use, and so is the code that computes it (pipeline/stop_strings.py,
-`StopMatcher.held_length`): after each piece, keep back the longest suffix of the unscanned
-text that is a proper prefix of one of the region's markers, and nothing more. Everything
-before it is final for that region. Each character is searched by one regex pass and looked at
-again only while it sits in that held-back suffix (shorter than the longest marker), so the
-cost per character is constant. Unlike a stop, the marker that counts is the leftmost one.
+stop strings use (pipeline/stop_strings.py): after each piece, keep back the longest suffix of
+the unscanned text that is a proper prefix of one of the region's markers, and nothing more.
+Everything before it is final for that region. Each character is searched by one regex pass
+and looked at again only while it sits in that held-back suffix (shorter than the longest
+marker), so the cost per character is constant. Unlike a stop, the marker that counts is the
+leftmost one.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import re
 from functools import cache
 from typing import NamedTuple
-
-from pipeline.stop_strings import StopMatcher
 
 
 class Hit(NamedTuple):
@@ -30,14 +28,25 @@ class Hit(NamedTuple):
 class MarkerSet:
     """The markers one region watches for (shared by every stream of a format)."""
 
-    __slots__ = ("markers", "_search", "held_length")
+    __slots__ = ("markers", "_search", "_prefixes", "_longest")
 
     def __init__(self, markers: tuple[str, ...]) -> None:
         # Longest first: at one position the regex takes the first alternative that matches.
         self.markers = tuple(sorted(set(markers), key=len, reverse=True))
         self._search = re.compile("|".join(map(re.escape, self.markers))).search
-        # Characters of the longest suffix of a text that is a proper prefix of a marker.
-        self.held_length = StopMatcher(self.markers).held_length
+        # Every proper prefix of a marker: a format has a handful of markers of a few dozen
+        # characters at most, so the set is small and a suffix test is one hash lookup.
+        self._prefixes = frozenset(m[:k] for m in self.markers for k in range(1, len(m)))
+        self._longest = max(map(len, self.markers), default=1) - 1
+
+    def held_length(self, text: str) -> int:
+        """Characters of the longest suffix of `text` that is a proper prefix of a marker:
+        at most the longest marker's length less one lookups, whatever the text's length."""
+        prefixes = self._prefixes
+        for kept in range(min(len(text), self._longest), 0, -1):
+            if text[-kept:] in prefixes:
+                return kept
+        return 0
 
     def find(self, text: str, start: int = 0) -> Hit | None:
         """The leftmost marker in `text[start:]` (the longest one starting there)."""
