@@ -25,7 +25,7 @@ from typing import TextIO
 from pipeline.generations import DEFAULT_CHUNK_SIZE
 from pipeline.offline import Outcome, run_generations
 from pipeline.tokenizer_registry import TokenizerSpecError
-from schemas.events import DeadLetterRecord
+from schemas.events import DeadLetterReason, DeadLetterRecord
 from workers.commands.format_options import add_format_options
 from workers.commands.options import (
     add_tokenizer_options,
@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 totals = _write(outcomes, output, dead_letters)
             finally:
                 output.close()
+            _refused(output.refused, totals, dead_letters)
     except (OSError, FormatError) as error:
         print(f"detok run: {error}", file=sys.stderr)
         return 2
@@ -185,3 +186,20 @@ def _write(outcomes: Iterator[Outcome], output: CompletionWriter, dead_letters: 
                 failure = RequestFailure(letter.request_id, letter.reason.value, letter.message)
         output.write(completion, failure)
     return totals
+
+
+def _refused(refused: list[RequestFailure], totals: Counter, dead_letters: TextIO) -> None:
+    """A completion the output format could not hold is a dead letter naming its request, not
+    a completion: no request is left out of both files."""
+    for failure in refused:
+        record = DeadLetterRecord(
+            reason=DeadLetterReason(failure.code),
+            error_class="UnwritableCompletion",
+            error=failure.message,
+            request_id=failure.request_id,
+            original="",
+        )
+        dead_letters.write(record.model_dump_json() + "\n")
+        totals["completions"] -= 1
+        totals["dead_letters"] += 1
+        totals[f"dl:{failure.code}"] += 1

@@ -33,6 +33,9 @@ class RequestFailure:
 
 
 class CompletionWriter(Protocol):
+    # Completions the format could not hold, left out of the file (each names its request).
+    refused: list[RequestFailure]
+
     def write(self, completion: Completion | None, failure: RequestFailure | None) -> None: ...
 
     def close(self) -> None:
@@ -49,6 +52,7 @@ class LineWriter:
     def __init__(self, path: Path, line_of: LineOf) -> None:
         self._handle = path.open("x", encoding="utf-8")
         self._line_of = line_of
+        self.refused: list[RequestFailure] = []  # JSON holds every completion
 
     def write(self, completion: Completion | None, failure: RequestFailure | None) -> None:
         line = self._line_of(completion, failure)
