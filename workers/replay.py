@@ -324,8 +324,8 @@ def write_completions(
 
     `created` stamps the OpenAI shapes (their `created` is a Unix time in seconds).
     """
-    with replacing(path) as temporary:
-        writer = completion_writer(temporary, fmt, created=created)
+    with replacing(path) as destination:
+        writer = completion_writer(destination, fmt, created=created)
         try:
             for request_id in sorted(completions):
                 writer.write(completions[request_id], None)

@@ -20,6 +20,7 @@ from tests.unit.request_events import bytes_registry
 from tests.unit.small_tokenizers import byte_level
 from tests.unit.test_run_command import detok_run, generation, read_jsonl
 from workers.formats import openai as openai_format
+from workers.formats.base import Destination
 from workers.formats.jsonl import jsonl_records
 from workers.formats.openai import openai_batch_records
 from workers.formats.parquet import ParquetCompletions, parquet_records, read_completions
@@ -219,7 +220,7 @@ def test_a_completion_parquet_cannot_hold_is_named_and_the_rest_is_written(
     """A completion with a count past int64 (already on a compacted topic, from before the
     bound) ended every Parquet collect with an OverflowError."""
     path = tmp_path / "out.parquet"
-    writer = ParquetCompletions(path)
+    writer = ParquetCompletions(Destination(path, "x"))
     for index, count in enumerate([3, 2**63, 4, 2**64 + 5]):
         writer.write(completion(f"r{index}", count), None)
     writer.close()

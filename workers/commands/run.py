@@ -8,7 +8,9 @@ owns the files. Two rules keep a run from destroying data:
   would truncate the input before it is read; two outputs on one path would interleave or lose
   records. Such a run is refused as a usage error before anything is opened.
 - Outputs are written to temporary files beside their targets and renamed over them only once the
-  whole input is decoded, so an interrupted run leaves every existing file as it was.
+  whole input is decoded, so an interrupted run leaves every existing file as it was. An output
+  that is not a regular file (`/dev/null`, `/dev/stdout` on a pipe, a FIFO) is written in place:
+  a rename would replace the device node or the FIFO itself.
 """
 
 from __future__ import annotations
@@ -123,14 +125,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         with (
             reading(args.input, input_format, progress="detok run") as records,
-            replacing(args.output) as output_path,
+            replacing(args.output) as output_file,
             replacing(dead_letter_path) as dead_letter_file,
-            dead_letter_file.open("x", encoding="utf-8") as dead_letters,
+            dead_letter_file.open_text() as dead_letters,
         ):
             outcomes = run_generations(
                 records, registry, source=str(args.input), chunk_size=args.chunk_size
             )
-            output = completion_writer(output_path, output_format, created=int(time.time()))
+            output = completion_writer(output_file, output_format, created=int(time.time()))
             try:
                 totals = _write(outcomes, output, dead_letters)
             finally:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from pipeline.records import Position, SourceRecord
 from schemas.events import MAX_TOKEN_ID, Completion, DeadLetterReason, LoggedGeneration
 from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify, is_record_fault
-from workers.formats.base import FormatError, MissingExtra, RequestFailure
+from workers.formats.base import Destination, FormatError, MissingExtra, RequestFailure
 
 # Rows per record batch read. A batch's ids are held as numpy arrays and, row by row, as Python
 # lists; 1024 rows of 2k-id generations is ~16 MB of numpy, which bounds read memory whatever
@@ -318,10 +318,12 @@ class ParquetCompletions:
     rest of its row group is written; it must not fail every collect of the topic.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, destination: Destination) -> None:
         _, pq, _ = _arrow()
         self._schema = _completion_schema()
-        self._writer = pq.ParquetWriter(path, self._schema)
+        # Opened here, not by pyarrow: its own file seeks, which a FIFO or a pipe cannot.
+        self._handle = destination.path.open(f"{destination.mode}b")
+        self._writer = pq.ParquetWriter(self._handle, self._schema)
         self._rows: list[dict[str, Any]] = []
         self.refused: list[RequestFailure] = []
 
@@ -332,8 +334,11 @@ class ParquetCompletions:
                 self._flush()
 
     def close(self) -> None:
-        self._flush()
-        self._writer.close()
+        try:
+            self._flush()
+            self._writer.close()
+        finally:
+            self._handle.close()
 
     def _flush(self) -> None:
         if self._rows:
