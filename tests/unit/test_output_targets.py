@@ -138,13 +138,15 @@ def test_run_into_a_character_device_of_its_own_leaves_the_device(
     assert stat.S_ISCHR(status.st_mode) and status.st_rdev == os.makedev(1, 3)
 
 
+@pytest.mark.parametrize("dead_letters", ["file", "/dev/null"])
 def test_run_into_dev_null_leaves_dev_null_a_character_device(
-    tmp_path: Path, tokenizer_file: Path, source: Path
+    tmp_path: Path, tokenizer_file: Path, source: Path, dead_letters: str
 ) -> None:
+    """Both outputs may be /dev/null (one character device twice truncates or mixes nothing)."""
     before = os.lstat("/dev/null")
     assert stat.S_ISCHR(before.st_mode)
-    code = detok_run(f"bytes={tokenizer_file}", source, "/dev/null",
-                     "--dead-letter", str(tmp_path / "dead.jsonl"))  # fmt: skip
+    dead = str(tmp_path / "dead.jsonl") if dead_letters == "file" else dead_letters
+    code = detok_run(f"bytes={tokenizer_file}", source, "/dev/null", "--dead-letter", dead)
     assert code == 0
     after = os.lstat("/dev/null")
     assert stat.S_ISCHR(after.st_mode)
@@ -167,3 +169,22 @@ def test_a_symbolic_link_to_a_regular_file_keeps_the_link_and_replaces_the_file(
     assert link.is_symlink() and link.resolve() == target.resolve()
     assert [c["request_id"] for c in read_jsonl(target)] == ["a", "b"]
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["out.jsonl"]
+
+
+def test_a_special_output_without_a_dead_letter_file_is_a_usage_error(
+    tmp_path: Path, tokenizer_file: Path, source: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default dead-letter file sits beside the output: beside /dev/null that is /dev
+    (written into as root, refused otherwise); the run says to name one instead. Shown on a null
+    device of the test's own (CAP_MKNOD), whose directory can be checked, and on /dev/null."""
+    device = tmp_path / "null"
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("creating a device node needs CAP_MKNOD (root)")
+    for output in (device, Path("/dev/null")):
+        assert detok_run(f"bytes={tokenizer_file}", source, output) == 2
+        assert "--dead-letter" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "null", "tokenizer.json"]
+    assert stat.S_ISCHR(device.lstat().st_mode)
+    assert not Path("/dev/null.dead-letters.jsonl").exists()

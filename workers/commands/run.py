@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import time
 from collections import Counter
@@ -49,7 +50,7 @@ DEAD_LETTER_SUFFIX = ".dead-letters.jsonl"
 
 
 class PathConflict(ValueError):
-    """Two of a run's files are one file."""
+    """Two of a run's files are one file, or a file the run needs has no place."""
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -99,7 +100,29 @@ def check_distinct(input_path: Path, output: Path, dead_letter: Path) -> None:
                 )
 
 
+def default_dead_letter(output: Path) -> Path:
+    """The dead-letter file beside a file output. A device or a FIFO has no "beside" (the file
+    would go into /dev, or fail there): such a run must name its dead-letter file."""
+    if _kind(output) not in (None, stat.S_IFREG, stat.S_IFDIR):
+        raise PathConflict(
+            f"--output {output} is not a regular file: name the dead-letter file with "
+            "--dead-letter FILE (/dev/null discards them)"
+        )
+    return output.with_suffix(DEAD_LETTER_SUFFIX)
+
+
+def _kind(path: Path) -> int | None:
+    """The file type of an existing path (`stat.S_IFMT`), None when there is none."""
+    try:
+        return stat.S_IFMT(path.stat().st_mode)
+    except OSError:
+        return None
+
+
 def _same_file(first: Path, second: Path) -> bool:
+    if _kind(first) == _kind(second) == stat.S_IFCHR:
+        # /dev/null for both outputs, or the terminal: nothing is truncated or read back.
+        return False
     if first.resolve() == second.resolve():
         return True
     try:
@@ -114,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
     except TokenizerSpecError as error:
         print(f"detok run: {error}", file=sys.stderr)
         return 2
-    dead_letter_path = args.dead_letter or args.output.with_suffix(DEAD_LETTER_SUFFIX)
     try:
+        dead_letter_path = args.dead_letter or default_dead_letter(args.output)
         check_distinct(args.input, args.output, dead_letter_path)
     except PathConflict as error:
         print(f"detok run: {error}", file=sys.stderr)
