@@ -19,7 +19,8 @@ from pipeline.records import Position, SourceRecord
 from pipeline.results import BatchResult, DeadLetter, Header
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import Completion, DeadLetterReason, LoggedGeneration
-from schemas.validation import Rejection
+from schemas.fast_events import ParsedEvent
+from schemas.validation import MAX_MESSAGE_CHARS, Rejection, is_record_fault
 
 # Requests decoded together. Each round pushes one chunk of every request in the window through
 # one batched decode, as a worker's consumed batch would; 256 keeps state small and rounds large
@@ -101,17 +102,35 @@ def _run_window(
     for index, record in enumerate(pending):
         origin = _RecordOrigin(source, index, record)
         parsed = record.parsed
+        if isinstance(parsed, LoggedGeneration):
+            parsed = _events_of(parsed, chunk_size)
         if isinstance(parsed, Rejection):
             outcomes[index].dead_letter = DeadLetter(
                 parsed.reason, parsed.error_class, parsed.message, None, None, origin
             )
             continue
-        index_of[parsed.request_id] = index
-        streams.append([(event, origin) for event in generation_events(parsed, chunk_size)])
+        request_id, events = parsed
+        index_of[request_id] = index
+        streams.append([(event, origin) for event in events])
     for round_events in zip_longest(*streams):
         _collect(processor.process(e for e in round_events if e is not None), outcomes, index_of)
     _collect(processor.flush_incomplete(), outcomes, index_of)
     yield from outcomes
+
+
+def _events_of(
+    generation: LoggedGeneration, chunk_size: int
+) -> tuple[str, list[ParsedEvent]] | Rejection:
+    """The generation's events, or the rejection of its record: an exception cutting one
+    generation (a reader that let a row through that the events refuse, issue 32) fails that
+    record alone, and the rest of the file completes."""
+    try:
+        return generation.request_id, generation_events(generation, chunk_size)
+    except BaseException as error:
+        if not is_record_fault(error) or isinstance(error, MemoryError):
+            raise
+        message = str(error)[:MAX_MESSAGE_CHARS]
+        return Rejection(DeadLetterReason.UNEXPECTED_ERROR, type(error).__name__, message)
 
 
 def _collect(result: BatchResult, outcomes: list[Outcome], index_of: dict[str, int]) -> None:

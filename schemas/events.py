@@ -65,7 +65,13 @@ PROMPT_TOKENS_DESCRIPTION = (
     f"{PROMPT_TAIL_IDS} prompt ids, so a tail of min(prompt length, {PROMPT_TAIL_IDS}) ids gives "
     "output (text, filtered ids) identical to the whole prompt; completions report this count."
 )
-PromptTokens = Annotated[int | None, Field(ge=0, description=PROMPT_TOKENS_DESCRIPTION)]
+# A prompt's length is bounded by the sizes a model can have: the longest context windows are
+# ~10M ids, 2**31 - 1 is 200x that and fits the int32/int64 columns consumers store counts in
+# (an unbounded count passed validation and then broke Parquet output at 2**63, issue 32).
+MAX_PROMPT_TOKENS = 2**31 - 1
+PromptTokens = Annotated[
+    int | None, Field(ge=0, le=MAX_PROMPT_TOKENS, description=PROMPT_TOKENS_DESCRIPTION)
+]
 
 
 class _PromptTail:

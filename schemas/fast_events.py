@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from schemas.events import (
+    MAX_PROMPT_TOKENS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKEN_ID,
@@ -30,6 +31,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 GeneratedSeq = Annotated[int, msgspec.Meta(ge=1)]
+PromptTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_TOKENS)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 StopStrings = Annotated[list[StopString], msgspec.Meta(min_length=1, max_length=MAX_STOP_STRINGS)]
 # msgspec's JSON decoder refuses NaN, Infinity and out-of-range numbers, as the models do.
@@ -50,7 +52,7 @@ class ParsedPrompt(_Event, kw_only=True, tag="prompt"):
     skip_special_tokens: bool = True
     stop: StopStrings | None = None
     include_stop_str_in_output: bool = False
-    prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # perfstate: prompt tails
+    prompt_tokens: PromptTokens | None = None  # perfstate: prompt tails
 
     type = "prompt"
 

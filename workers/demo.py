@@ -452,7 +452,7 @@ def _run_pipeline(
     totals = replay(connection, sample.path, names.input, progress=False)
     received = collect(
         connection, names.completions, expect=len(expected), idle_timeout_s=WAIT_BOUND_S
-    )
+    ).completions
     scrapes = wait_all_consumed(workers, totals.events)
     pipeline_s = time.monotonic() - pipeline_started
     write_completions(sample.path.with_name("completions.kafka.jsonl"), received)

@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
 
@@ -31,8 +31,9 @@ from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from pipeline.records import SourceRecord
 from schemas.events import Completion
 from schemas.fast_events import ParsedEvent, ParsedPrompt, encode_event
-from schemas.validation import Rejection
+from schemas.validation import Rejection, is_record_fault, parse_model
 from workers.formats import completion_writer, format_of, reading, replacing
+from workers.formats.base import RequestFailure
 from workers.kafka_clients import (
     METADATA_TIMEOUT_S,
     DeliveryTracker,
@@ -104,11 +105,22 @@ def record_events(
     if isinstance(record.parsed, Rejection):
         return [(None, record.original())]
     key = record.parsed.request_id.encode()
+    try:
+        events = generation_events(record.parsed, chunk_size)
+    except BaseException as error:
+        # One generation the events refuse (a reader that let it through, issue 32) goes as
+        # an invalid record does; the rest of the file is replayed.
+        if not is_record_fault(error) or isinstance(error, MemoryError):
+            raise
+        log.warning(
+            "%s: not replayed as events (%s: %s)", record.position, type(error).__name__, error
+        )
+        return [(None, record.original())]
     return [
         (key, _prompt_record(event, key, prompt_tail, max_record_bytes))
         if type(event) is ParsedPrompt
         else (key, encode_event(event))
-        for event in generation_events(record.parsed, chunk_size)
+        for event in events
     ]
 
 
@@ -232,13 +244,43 @@ def _produce(
     return totals
 
 
+@dataclass
+class Collected:
+    """What `collect` read: the latest completion per request id, and the records it left out.
+
+    A tombstone (a null value: a compacted delete of the request's completion) deletes the
+    completion read before it under its key, as compaction would; a value that is not a
+    completion is skipped. Either used to end every collect of the topic with a traceback
+    (issue 32); both are counted, for the command's summary.
+    """
+
+    completions: dict[str, Completion] = field(default_factory=dict)
+    tombstones: int = 0
+    invalid: int = 0
+
+    def add(self, key: bytes | None, value: bytes | None, where: str) -> None:
+        if value is None:
+            self.tombstones += 1
+            if key is not None:
+                self.completions.pop(key.decode("utf-8", errors="replace"), None)
+            return
+        parsed = parse_model(Completion, value)
+        if isinstance(parsed, Rejection):
+            self.invalid += 1
+            log.warning(
+                "%s is not a completion, skipped: %s", where, parsed.message.splitlines()[0]
+            )
+            return
+        self.completions[parsed.request_id] = parsed
+
+
 def collect(
     connection: KafkaConnection | str,
     topic: str,
     *,
     expect: int | None = None,
     idle_timeout_s: float = 10.0,
-) -> dict[str, Completion]:
+) -> Collected:
     """Latest completion per request id, read_committed, until `expect` or idle.
 
     Raises KafkaUnavailable or UnknownTopic (within METADATA_TIMEOUT_S) before reading, and
@@ -253,13 +295,13 @@ def collect(
         },
         start_up=True,
     )
-    completions: dict[str, Completion] = {}
+    collected = Collected()
     try:
         partitions = topic_partitions(consumer, topic, METADATA_TIMEOUT_S)
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
         last_new = time.monotonic()
         while time.monotonic() - last_new < idle_timeout_s:
-            if expect is not None and len(completions) >= expect:
+            if expect is not None and len(collected.completions) >= expect:
                 break
             for message in consumer.consume(1000, 0.2):
                 error = message.error()
@@ -267,25 +309,27 @@ def collect(
                     if error.fatal():
                         raise KafkaException(error)
                     continue
-                completion = Completion.model_validate_json(message.value())
-                completions[completion.request_id] = completion
+                where = f"{topic} partition {message.partition()} offset {message.offset()}"
+                collected.add(message.key(), message.value(), where)
                 last_new = time.monotonic()
     finally:
         consumer.close()
-    return completions
+    return collected
 
 
 def write_completions(
     path: Path, completions: dict[str, Completion], fmt: str = "jsonl", *, created: int = 0
-) -> None:
-    """Every completion, by request id, in `fmt` (an output format of `workers.formats`).
+) -> list[RequestFailure]:
+    """Every completion, by request id, in `fmt` (an output format of `workers.formats`); the
+    completions the format could not hold are left out and returned.
 
     `created` stamps the OpenAI shapes (their `created` is a Unix time in seconds).
     """
-    with replacing(path) as temporary:
-        writer = completion_writer(temporary, fmt, created=created)
+    with replacing(path) as destination:
+        writer = completion_writer(destination, fmt, created=created)
         try:
             for request_id in sorted(completions):
                 writer.write(completions[request_id], None)
         finally:
             writer.close()
+    return writer.refused

@@ -9,11 +9,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from schemas.events import INPUT_EVENT_ADAPTER, MAX_TOKEN_ID, encode_json
+from schemas.events import (
+    INPUT_EVENT_ADAPTER,
+    MAX_PROMPT_TOKENS,
+    MAX_TOKEN_ID,
+    LoggedGeneration,
+    encode_json,
+)
 from schemas.fast_events import (
     ParsedFinish,
     ParsedPrompt,
@@ -29,7 +36,10 @@ MISSING = object()
 
 # Values near every bound the models set, and values of the wrong JSON type.
 ints = st.one_of(
-    st.sampled_from([-1, 0, 1, 2, MAX_TOKEN_ID, MAX_TOKEN_ID + 1, 2**63, 2**64, -(2**63) - 1]),
+    st.sampled_from(
+        [-1, 0, 1, 2, MAX_PROMPT_TOKENS, MAX_PROMPT_TOKENS + 1]
+        + [MAX_TOKEN_ID, MAX_TOKEN_ID + 1, 2**63, 2**64, -(2**63) - 1]
+    ),
     st.integers(0, 200_000),
     st.integers(),
 )
@@ -136,7 +146,7 @@ valid_records = st.builds(
                 request_id=valid_text,
                 model=valid_text,
                 prompt_token_ids=st.just(ids),
-                prompt_tokens=st.integers(len(ids), 2**40),
+                prompt_tokens=st.integers(len(ids), MAX_PROMPT_TOKENS),
             )
         ),
         st.builds(
@@ -249,3 +259,22 @@ def test_prompt_tokens_below_the_ids_sent_is_refused_by_both() -> None:
     for count in (3, 500_000):
         event = parse_event(prompt + b'"prompt_tokens":%d}' % count)
         assert isinstance(event, ParsedPrompt) and event.prompt_tokens == count
+
+
+def test_prompt_tokens_past_the_sizes_a_model_can_have_is_refused_by_both() -> None:
+    """A count at 2**63 passed once and then broke Parquet's int64 column (issue 32 item 9):
+    the wire event and the logged generation bound it at MAX_PROMPT_TOKENS."""
+    prompt = b'{"type":"prompt","request_id":"r","model":"m","prompt_token_ids":[1],'
+    for count in (MAX_PROMPT_TOKENS + 1, 2**63, 2**64 - 1):
+        raw = prompt + b'"prompt_tokens":%d}' % count
+        refused = parse_event(raw)
+        assert isinstance(refused, Rejection) and refused.reason == "schema_violation"
+        assert _contract(raw) is None
+        generation = (
+            b'{"request_id":"r","model":"m","prompt_token_ids":[1],"output_token_ids":[],'
+            b'"prompt_tokens":%d}' % count
+        )
+        with pytest.raises(ValidationError):
+            LoggedGeneration.model_validate_json(generation)
+    at_bound = parse_event(prompt + b'"prompt_tokens":%d}' % MAX_PROMPT_TOKENS)
+    assert isinstance(at_bound, ParsedPrompt) and at_bound.prompt_tokens == MAX_PROMPT_TOKENS

@@ -52,16 +52,33 @@ def run(args: argparse.Namespace) -> int:
     connection = None
     try:
         connection = connection_from(args)
-        completions = collect(connection, topic, expect=args.expect, idle_timeout_s=args.timeout)
+        collected = collect(connection, topic, expect=args.expect, idle_timeout_s=args.timeout)
     except failures.KAFKA_FAILURES as error:
         return failures.report("collect", error, connection)
     try:
-        write_completions(args.output, completions, fmt, created=int(time.time()))
+        refused = write_completions(
+            args.output, collected.completions, fmt, created=int(time.time())
+        )
     except (OSError, FormatError) as error:
         print(f"detok collect: {error}", file=sys.stderr)
         return 2
-    print(f"collected {len(completions)} completions -> {args.output}")
-    if args.expect is not None and len(completions) < args.expect:
+    for failure in refused:
+        print(f"detok collect: request {failure.request_id}: {failure.message}", file=sys.stderr)
+    written = len(collected.completions) - len(refused)
+    skipped = [
+        f"{count} {what}"
+        for count, what in (
+            (collected.tombstones, "tombstones"),
+            (collected.invalid, "records that are not completions"),
+            (len(refused), f"completions {fmt} cannot hold"),
+        )
+        if count
+    ]
+    print(
+        f"collected {written} completions -> {args.output}"
+        + (f" (skipped {', '.join(skipped)})" if skipped else "")
+    )
+    if args.expect is not None and written < args.expect:
         print(f"detok collect: expected {args.expect}", file=sys.stderr)
         return 1
     return 0

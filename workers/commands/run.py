@@ -8,13 +8,16 @@ owns the files. Two rules keep a run from destroying data:
   would truncate the input before it is read; two outputs on one path would interleave or lose
   records. Such a run is refused as a usage error before anything is opened.
 - Outputs are written to temporary files beside their targets and renamed over them only once the
-  whole input is decoded, so an interrupted run leaves every existing file as it was.
+  whole input is decoded, so an interrupted run leaves every existing file as it was. An output
+  that is not a regular file (`/dev/null`, `/dev/stdout` on a pipe, a FIFO) is written in place:
+  a rename would replace the device node or the FIFO itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import time
 from collections import Counter
@@ -25,7 +28,7 @@ from typing import TextIO
 from pipeline.generations import DEFAULT_CHUNK_SIZE
 from pipeline.offline import Outcome, run_generations
 from pipeline.tokenizer_registry import TokenizerSpecError
-from schemas.events import DeadLetterRecord
+from schemas.events import DeadLetterReason, DeadLetterRecord
 from workers.commands.format_options import add_format_options
 from workers.commands.options import (
     add_tokenizer_options,
@@ -47,7 +50,7 @@ DEAD_LETTER_SUFFIX = ".dead-letters.jsonl"
 
 
 class PathConflict(ValueError):
-    """Two of a run's files are one file."""
+    """Two of a run's files are one file, or a file the run needs has no place."""
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -97,7 +100,29 @@ def check_distinct(input_path: Path, output: Path, dead_letter: Path) -> None:
                 )
 
 
+def default_dead_letter(output: Path) -> Path:
+    """The dead-letter file beside a file output. A device or a FIFO has no "beside" (the file
+    would go into /dev, or fail there): such a run must name its dead-letter file."""
+    if _kind(output) not in (None, stat.S_IFREG, stat.S_IFDIR):
+        raise PathConflict(
+            f"--output {output} is not a regular file: name the dead-letter file with "
+            "--dead-letter FILE (/dev/null discards them)"
+        )
+    return output.with_suffix(DEAD_LETTER_SUFFIX)
+
+
+def _kind(path: Path) -> int | None:
+    """The file type of an existing path (`stat.S_IFMT`), None when there is none."""
+    try:
+        return stat.S_IFMT(path.stat().st_mode)
+    except OSError:
+        return None
+
+
 def _same_file(first: Path, second: Path) -> bool:
+    if _kind(first) == _kind(second) == stat.S_IFCHR:
+        # /dev/null for both outputs, or the terminal: nothing is truncated or read back.
+        return False
     if first.resolve() == second.resolve():
         return True
     try:
@@ -112,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
     except TokenizerSpecError as error:
         print(f"detok run: {error}", file=sys.stderr)
         return 2
-    dead_letter_path = args.dead_letter or args.output.with_suffix(DEAD_LETTER_SUFFIX)
     try:
+        dead_letter_path = args.dead_letter or default_dead_letter(args.output)
         check_distinct(args.input, args.output, dead_letter_path)
     except PathConflict as error:
         print(f"detok run: {error}", file=sys.stderr)
@@ -123,18 +148,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         with (
             reading(args.input, input_format, progress="detok run") as records,
-            replacing(args.output) as output_path,
+            replacing(args.output) as output_file,
             replacing(dead_letter_path) as dead_letter_file,
-            dead_letter_file.open("x", encoding="utf-8") as dead_letters,
+            dead_letter_file.open_text() as dead_letters,
         ):
             outcomes = run_generations(
                 records, registry, source=str(args.input), chunk_size=args.chunk_size
             )
-            output = completion_writer(output_path, output_format, created=int(time.time()))
+            output = completion_writer(output_file, output_format, created=int(time.time()))
             try:
                 totals = _write(outcomes, output, dead_letters)
             finally:
                 output.close()
+            _refused(output.refused, totals, dead_letters)
     except (OSError, FormatError) as error:
         print(f"detok run: {error}", file=sys.stderr)
         return 2
@@ -185,3 +211,20 @@ def _write(outcomes: Iterator[Outcome], output: CompletionWriter, dead_letters: 
                 failure = RequestFailure(letter.request_id, letter.reason.value, letter.message)
         output.write(completion, failure)
     return totals
+
+
+def _refused(refused: list[RequestFailure], totals: Counter, dead_letters: TextIO) -> None:
+    """A completion the output format could not hold is a dead letter naming its request, not
+    a completion: no request is left out of both files."""
+    for failure in refused:
+        record = DeadLetterRecord(
+            reason=DeadLetterReason(failure.code),
+            error_class="UnwritableCompletion",
+            error=failure.message,
+            request_id=failure.request_id,
+            original="",
+        )
+        dead_letters.write(record.model_dump_json() + "\n")
+        totals["completions"] -= 1
+        totals["dead_letters"] += 1
+        totals[f"dl:{failure.code}"] += 1

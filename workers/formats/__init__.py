@@ -9,6 +9,7 @@ extension (`.parquet` is Parquet, anything else detok's JSONL) unless `--input-f
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from typing import BinaryIO
 from tqdm import tqdm
 
 from pipeline.records import SourceRecord
-from workers.formats.base import CompletionWriter, LineWriter
+from workers.formats.base import CompletionWriter, Destination, LineWriter
 from workers.formats.jsonl import completion_line, jsonl_records
 from workers.formats.openai import batch_output_lines, completion_lines, openai_batch_records
 
@@ -63,31 +64,43 @@ def reading(path: Path, fmt: str, *, progress: str | None) -> Iterator[Iterator[
             _close(bar)
 
 
-def completion_writer(path: Path, fmt: str, *, created: int) -> CompletionWriter:
-    """A writer of `fmt` that creates `path` (which must not exist: it is a temporary file)."""
+def completion_writer(destination: Destination, fmt: str, *, created: int) -> CompletionWriter:
+    """A writer of `fmt` into `destination`."""
     if fmt == "parquet":
         from workers.formats.parquet import ParquetCompletions
 
-        return ParquetCompletions(path)
+        return ParquetCompletions(destination)
     if fmt == "openai-completion":
-        return LineWriter(path, completion_lines(created))
+        return LineWriter(destination.open_text(), completion_lines(created))
     if fmt == "openai-batch":
-        return LineWriter(path, batch_output_lines(created))
-    return LineWriter(path, completion_line)
+        return LineWriter(destination.open_text(), batch_output_lines(created))
+    return LineWriter(destination.open_text(), completion_line)
 
 
 @contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """A temporary path that replaces `path` when the block ends cleanly and vanishes on an
-    error.
+def replacing(path: Path) -> Iterator[Destination]:
+    """A temporary file that replaces `path` when the block ends cleanly and vanishes on an
+    error; or `path` itself when it is not a regular file.
 
-    The temporary file sits beside `path` (so the rename is atomic on one file system); the
-    writer creates it exclusively, with the permissions a plain `open` would give.
+    The temporary file sits beside the file `path` names, through any symbolic links (so the
+    rename is atomic on one file system and replaces the file, not a link to it); the writer
+    creates it exclusively, with the permissions a plain `open` would give. A device, a FIFO or
+    a socket (`/dev/null`, `/dev/stdout` on a pipe, a named pipe) is written in place: renaming
+    a file over it would replace the node itself, `/dev/null` for every process when run as
+    root (issue 32).
     """
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        yield temporary
-        os.replace(temporary, path)
+        status = path.stat()
+    except FileNotFoundError:  # a new file (or a link to none): created by the rename
+        status = None
+    if status is not None and not stat.S_ISREG(status.st_mode):
+        yield Destination(path, "w")
+        return
+    target = path if status is None else Path(os.path.realpath(path))
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        yield Destination(temporary, "x")
+        os.replace(temporary, target)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, TextIO
 
 from schemas.events import Completion
 
@@ -32,7 +32,22 @@ class RequestFailure:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where a writer writes: a temporary file it creates (`mode` "x", never an existing file)
+    or, for an output that is not a regular file, the output itself (`mode` "w")."""
+
+    path: Path
+    mode: Literal["x", "w"]
+
+    def open_text(self) -> TextIO:
+        return self.path.open(self.mode, encoding="utf-8")
+
+
 class CompletionWriter(Protocol):
+    # Completions the format could not hold, left out of the file (each names its request).
+    refused: list[RequestFailure]
+
     def write(self, completion: Completion | None, failure: RequestFailure | None) -> None: ...
 
     def close(self) -> None:
@@ -46,9 +61,10 @@ LineOf = Callable[[Completion | None, RequestFailure | None], str | None]
 class LineWriter:
     """A writer of one JSON line per request, for the JSONL-based formats."""
 
-    def __init__(self, path: Path, line_of: LineOf) -> None:
-        self._handle = path.open("x", encoding="utf-8")
+    def __init__(self, handle: TextIO, line_of: LineOf) -> None:
+        self._handle = handle
         self._line_of = line_of
+        self.refused: list[RequestFailure] = []  # JSON holds every completion
 
     def write(self, completion: Completion | None, failure: RequestFailure | None) -> None:
         line = self._line_of(completion, failure)

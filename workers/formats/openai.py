@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from pipeline.records import Position, SourceRecord
 from schemas.events import Completion, DeadLetterReason, LoggedGeneration
-from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify
+from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify, is_record_fault
 from workers.formats.base import LineOf, RequestFailure
 
 # OpenAI's Completion admits only these finish reasons. A log without one (None) or with a
@@ -154,13 +154,25 @@ def openai_batch_records(lines: Iterable[bytes]) -> Iterator[SourceRecord]:
     """Logged generations from Batch output lines whose responses carry token ids.
 
     A line that is not JSON, has no successful response, or whose choice lacks the ids is
-    rejected (a dead letter with its line number): without ids there is nothing to decode.
+    rejected (a dead letter with its line number): without ids there is nothing to decode. Any
+    other exception for one line rejects that line too, and the file goes on (issue 32).
     """
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         line = raw.rstrip(b"\r\n")
-        yield SourceRecord(Position(line=number), _generation_of(line), line)
+        yield SourceRecord(Position(line=number), _guarded(line), line)
+
+
+def _guarded(line: bytes) -> LoggedGeneration | Rejection:
+    try:
+        return _generation_of(line)
+    except BaseException as error:
+        if not is_record_fault(error) or isinstance(error, MemoryError):
+            raise
+        return Rejection(
+            DeadLetterReason.UNEXPECTED_ERROR, type(error).__name__, str(error)[:MAX_MESSAGE_CHARS]
+        )
 
 
 def _generation_of(line: bytes) -> LoggedGeneration | Rejection:
@@ -169,8 +181,8 @@ def _generation_of(line: bytes) -> LoggedGeneration | Rejection:
     except (ValueError, RecursionError) as error:
         return Rejection(DeadLetterReason.MALFORMED_JSON, type(error).__name__, str(error))
     try:
-        body = envelope["response"]["body"]
-        choice = body["choices"][0]
+        body = _object(_object(envelope, "the line")["response"], "response")["body"]
+        choice = _object(_object(body, "response.body")["choices"][0], "choices[0]")
         prompt_ids = choice.get("prompt_token_ids")
         if prompt_ids is None:
             prompt_ids = body.get("prompt_token_ids")
@@ -186,7 +198,8 @@ def _generation_of(line: bytes) -> LoggedGeneration | Rejection:
             DeadLetterReason.SCHEMA_VIOLATION,
             type(error).__name__,
             f"not a successful batch output line with token ids "
-            f"(response.body.choices[0].token_ids and prompt_token_ids): missing {error}",
+            "(response.body.choices[0].token_ids and prompt_token_ids): "
+            f"{'missing ' if isinstance(error, KeyError) else ''}{error}",
         )
     try:
         return LoggedGeneration.model_validate(fields)
@@ -194,3 +207,11 @@ def _generation_of(line: bytes) -> LoggedGeneration | Rejection:
         return Rejection(
             classify(error), "pydantic_core.ValidationError", str(error)[:MAX_MESSAGE_CHARS]
         )
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    """`value` if it is a JSON object; a TypeError naming `where` if not (a string or a list
+    there would otherwise fail on its first `.get`)."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{where} is {type(value).__name__}, not an object")
+    return value

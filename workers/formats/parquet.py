@@ -21,8 +21,8 @@ from pydantic import ValidationError
 
 from pipeline.records import Position, SourceRecord
 from schemas.events import MAX_TOKEN_ID, Completion, DeadLetterReason, LoggedGeneration
-from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify
-from workers.formats.base import FormatError, MissingExtra, RequestFailure
+from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify, is_record_fault
+from workers.formats.base import Destination, FormatError, MissingExtra, RequestFailure
 
 # Rows per record batch read. A batch's ids are held as numpy arrays and, row by row, as Python
 # lists; 1024 rows of 2k-id generations is ~16 MB of numpy, which bounds read memory whatever
@@ -99,34 +99,63 @@ class BadRow(FormatError):
 
 
 def _batch_records(batch: Any, first_row: int, group: int) -> Iterator[SourceRecord]:
-    names = batch.schema.names
-    missing = [name for name in REQUIRED_COLUMNS if name not in names]
-    ids = [_IdColumn(name, batch.column(name)) for name in ID_COLUMNS if name in names]
-    others = [(name, batch.column(name).to_pylist()) for name in names if name not in ID_COLUMNS]
-    suspect = [bool(missing)] * batch.num_rows
-    for column in ids:
-        suspect = [a or b for a, b in zip(suspect, column.suspect, strict=True)]
-    whole = bool(LOGPROB_COLUMNS.intersection(names))
+    """The batch's records; an exception for one row dead-letters that row (issue 32), and one
+    raised while reading the batch's columns as a whole is narrowed down row by row."""
+    try:
+        rows = _BatchRows(batch)
+    except BaseException as error:
+        if not is_record_fault(error) or isinstance(error, MemoryError):
+            raise
+        if batch.num_rows > 1:
+            for index in range(batch.num_rows):
+                yield from _batch_records(batch.slice(index, 1), first_row + index, group)
+        else:
+            yield _unexpected(batch, 0, Position(row=first_row, row_group=group), error)
+        return
     for index in range(batch.num_rows):
         position = Position(row=first_row + index, row_group=group)
-        if suspect[index]:
-            problem = (
-                (DeadLetterReason.SCHEMA_VIOLATION, f"no column {', '.join(missing)}")
-                if missing
-                else next(p for p in (c.problem(index) for c in ids) if p is not None)
-            )
-            yield _rejected(batch, index, position, *problem)
-            continue
-        # A null in an optional column means "not given": the model's default applies.
-        fields = {name: values[index] for name, values in others if values[index] is not None}
-        row_ids = {column.name: column.ids(index) for column in ids}
         try:
-            generation = _generation(fields, row_ids, whole)
+            yield rows.record(index, position)
+        except BaseException as error:
+            if not is_record_fault(error) or isinstance(error, MemoryError):
+                raise
+            yield _unexpected(batch, index, position, error)
+
+
+class _BatchRows:
+    """One batch's columns, checked whole, and each row's record from them."""
+
+    def __init__(self, batch: Any) -> None:
+        names = batch.schema.names
+        self.batch = batch
+        self.missing = [name for name in REQUIRED_COLUMNS if name not in names]
+        self.ids = [_IdColumn(name, batch.column(name)) for name in ID_COLUMNS if name in names]
+        self.others = [
+            (name, batch.column(name).to_pylist()) for name in names if name not in ID_COLUMNS
+        ]
+        suspect = [bool(self.missing)] * batch.num_rows
+        for column in self.ids:
+            suspect = [a or b for a, b in zip(suspect, column.suspect, strict=True)]
+        self.suspect = suspect
+        self.whole = bool(LOGPROB_COLUMNS.intersection(names))
+
+    def record(self, index: int, position: Position) -> SourceRecord:
+        if self.suspect[index]:
+            problem = (
+                (DeadLetterReason.SCHEMA_VIOLATION, f"no column {', '.join(self.missing)}")
+                if self.missing
+                else next(p for p in (c.problem(index) for c in self.ids) if p is not None)
+            )
+            return _rejected(self.batch, index, position, *problem)
+        # A null in an optional column means "not given": the model's default applies.
+        fields = {name: values[index] for name, values in self.others if values[index] is not None}
+        row_ids = {column.name: column.ids(index) for column in self.ids}
+        try:
+            generation = _generation(fields, row_ids, self.whole)
         except ValidationError as error:
             message = str(error)[:MAX_MESSAGE_CHARS]
-            yield _rejected(batch, index, position, classify(error), message)
-            continue
-        yield SourceRecord(position, generation)
+            return _rejected(self.batch, index, position, classify(error), message)
+        return SourceRecord(position, generation)
 
 
 def _generation(fields: dict[str, Any], ids: dict[str, list[int]], whole: bool) -> LoggedGeneration:
@@ -135,10 +164,12 @@ def _generation(fields: dict[str, Any], ids: dict[str, list[int]], whole: bool) 
     Without logprobs, the model checks every field but the ids: validating them again element by
     element, as Python ints, cost more than parsing the same row from JSON. The checked ids go
     straight into the new instance's fields (what `model_copy(update=...)` does, at a third of
-    its cost); nothing else holds the instance yet. Logprobs are checked against the ids (one
-    entry per id), so a file with those columns (`whole`) is validated whole.
+    its cost); nothing else holds the instance yet. The rules that relate a field to the ids
+    need the ids: logprobs are checked against them (one entry per id), so a file with those
+    columns (`whole`) is validated whole, and so is a row with `prompt_tokens` (at least the ids
+    sent; such a row's prompt is a tail of a few dozen ids, cheap to check again).
     """
-    if whole:
+    if whole or "prompt_tokens" in fields:
         if "output_top_logprobs" in fields:
             fields["output_top_logprobs"] = _pairs(fields["output_top_logprobs"])
         return LoggedGeneration.model_validate({**fields, **ids})
@@ -222,6 +253,15 @@ def _rows_with(flags: Any, offsets: Any, np: Any) -> Any:
     return running[offsets[1:]] - running[offsets[:-1]] > 0
 
 
+def _unexpected(batch: Any, index: int, position: Position, error: BaseException) -> SourceRecord:
+    message = f"{type(error).__name__}: {error}"[:MAX_MESSAGE_CHARS]
+    try:
+        return _rejected(batch, index, position, DeadLetterReason.UNEXPECTED_ERROR, message)
+    except Exception:  # the row cannot even be shown: its dead letter says where it was
+        rejection = Rejection(DeadLetterReason.UNEXPECTED_ERROR, BadRow.__name__, message)
+        return SourceRecord(position, rejection, b"")
+
+
 def _rejected(
     batch: Any, index: int, position: Position, reason: DeadLetterReason, message: str
 ) -> SourceRecord:
@@ -271,13 +311,21 @@ def _completion_schema() -> Any:
 
 class ParquetCompletions:
     """Completions as Parquet rows, one per request, written a row group at a time as they
-    arrive: the columns are `Completion`'s fields (all but the constant `type`)."""
+    arrive: the columns are `Completion`'s fields (all but the constant `type`).
 
-    def __init__(self, path: Path) -> None:
+    A completion the columns cannot hold (a count past int64: one written to the completions
+    topic before counts were bounded, issue 32) is left out and named in `refused`, and the
+    rest of its row group is written; it must not fail every collect of the topic.
+    """
+
+    def __init__(self, destination: Destination) -> None:
         _, pq, _ = _arrow()
         self._schema = _completion_schema()
-        self._writer = pq.ParquetWriter(path, self._schema)
+        # Opened here, not by pyarrow: its own file seeks, which a FIFO or a pipe cannot.
+        self._handle = destination.path.open(f"{destination.mode}b")
+        self._writer = pq.ParquetWriter(self._handle, self._schema)
         self._rows: list[dict[str, Any]] = []
+        self.refused: list[RequestFailure] = []
 
     def write(self, completion: Completion | None, failure: RequestFailure | None) -> None:
         if completion is not None:
@@ -286,14 +334,41 @@ class ParquetCompletions:
                 self._flush()
 
     def close(self) -> None:
-        self._flush()
-        self._writer.close()
+        try:
+            self._flush()
+            self._writer.close()
+        finally:
+            self._handle.close()
 
     def _flush(self) -> None:
         if self._rows:
-            pa, _, _ = _arrow()
-            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=self._schema))
+            try:
+                table = self._table(self._rows)
+            except BaseException as error:
+                if not is_record_fault(error) or isinstance(error, MemoryError):
+                    raise
+                table = self._writable(self._rows)
+            self._writer.write_table(table)
             self._rows = []
+
+    def _table(self, rows: list[dict[str, Any]]) -> Any:
+        pa, _, _ = _arrow()
+        return pa.Table.from_pylist(rows, schema=self._schema)
+
+    def _writable(self, rows: list[dict[str, Any]]) -> Any:
+        """The rows the columns can hold, converted one by one (only after a group failed)."""
+        pa, _, _ = _arrow()
+        tables = []
+        for row in rows:
+            try:
+                tables.append(self._table([row]))
+            except BaseException as error:
+                if not is_record_fault(error) or isinstance(error, MemoryError):
+                    raise
+                message = f"not writable as Parquet: {type(error).__name__}: {error}"
+                code = DeadLetterReason.UNEXPECTED_ERROR.value
+                self.refused.append(RequestFailure(row["request_id"], code, message))
+        return pa.concat_tables(tables) if tables else self._table([])
 
 
 def read_completions(path: Path) -> Iterator[Completion]:
