@@ -49,6 +49,7 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason, dump_json
 from workers.changelog import (
     SETTLE_LOOKUP_TIMEOUT_S,
+    ChangelogPartitionsMissing,
     RestoreInterrupted,
     apply_latest,
     changelog_record,
@@ -69,7 +70,7 @@ from workers.checkpointing import (
 from workers.config import WorkerSettings
 from workers.health import Health
 from workers.kafka_clients import AUTHORIZATION_ERRORS, make_consumer, make_producer
-from workers.output_limits import OutputLimits
+from workers.output_limits import OutputLimits, changelog_too_small
 from workers.output_writer import OutputWriter
 from workers.process_policy import StopRequest
 from workers.prometheus import PrometheusMetrics
@@ -904,6 +905,10 @@ class Worker:
         except RestoreInterrupted as interrupted:
             log.info("%s; leaving them unrestored", interrupted)
             return set()
+        except ChangelogPartitionsMissing as short:
+            raise FatalWorkerError(
+                changelog_too_small(self.topics, self._input_partitions(), short.partitions)
+            ) from None
         restored = apply_latest(latest, self.processor, committed_input)
         del latest  # a million records, for a million open requests: freed before going on
         self.owners.update(restored.owners)
@@ -927,6 +932,17 @@ class Worker:
             len(restored.failed),
         )
         return started_over
+
+    def _input_partitions(self) -> int | None:
+        """The input's partition count as the cluster tells it now (None if it does not answer
+        at once), for the message that stops the worker."""
+        try:
+            metadata = self.consumer.list_topics(
+                self.topics.input, timeout=self.deadline.remaining(REJOIN_METADATA_TIMEOUT_S)
+            )
+            return len(metadata.topics[self.topics.input].partitions)
+        except (KafkaException, KeyError):
+            return None
 
     def _start_uncommitted(self, committed: dict[int, int]) -> set[int]:
         """Start the partitions the group never committed at their beginning now; returns those.
