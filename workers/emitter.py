@@ -267,6 +267,8 @@ class Emitter:
         self.ownership.begin_restore(partitions)
 
     def drop_state(self, partitions: Iterable[int]) -> None:
+        """Forget the requests of `partitions` and what the checkpoint holds of them: they are
+        no longer ours (a revoke), or about to be restored from their last commit (a rollback)."""
         dropped = set(partitions)
         gone = [r for r, p in self.ownership.owners.items() if p in dropped]
         for request_id in gone:

@@ -115,20 +115,41 @@ def test_an_input_grown_while_the_worker_runs_ends_it_with_the_fix_named(
     assert_refusal_named(logs(tmp_path), names)
 
 
+def ensure(bootstrap: str, names: TopicNames, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", "topics", "ensure", *topic_args(names), *flags],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap},
+        timeout=120,  # the command bounds each admin call at 30 s
+        check=False,
+    )
+
+
+def test_topics_ensure_grows_the_input_only_to_a_count_asked_for(kafka_bootstrap: str) -> None:
+    """Growing the input moves request ids to other partitions, so a plain `ensure` keeps the
+    input's count (it used to refuse a pipeline of any count but 4); `--partitions` grows it, the
+    changelog with it, and says what that does to requests in flight."""
+    names = pipeline_topics(kafka_bootstrap, partitions=2)
+    kept = ensure(kafka_bootstrap, names)
+    assert kept.returncode == 0, kept.stderr
+    assert "grew" not in kept.stdout
+    assert {partition_count(kafka_bootstrap, name) for _, name in names} == {2}
+
+    grown = ensure(kafka_bootstrap, names, "--partitions", "4")
+    assert grown.returncode == 0, grown.stderr
+    assert grown.stdout.count("to 4 partitions") == 6
+    assert "request in flight may lose its later events" in grown.stderr
+    assert {partition_count(kafka_bootstrap, name) for _, name in names} == {4}
+
+
 def test_topics_ensure_grows_the_changelog_and_outputs_with_the_input(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
     names = pipeline_topics(kafka_bootstrap, partitions=2)
     grow(kafka_bootstrap, names.input, 4)
-    ensured = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "topics", "ensure", *topic_args(names)],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env={**os.environ, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap},
-        timeout=120,  # the command bounds each admin call at 30 s
-        check=False,
-    )
+    ensured = ensure(kafka_bootstrap, names)
     assert ensured.returncode == 0, ensured.stderr
     assert f"grew      {names.changelog} to 4 partitions" in ensured.stdout
     assert {role: partition_count(kafka_bootstrap, name) for role, name in names} == dict.fromkeys(

@@ -71,6 +71,12 @@ def run_ensure(args: argparse.Namespace) -> int:
         print(f"validated {name}")
     for name in result.grown:
         print(f"grew      {name} to {result.partitions} partitions")
+    if names.input in result.grown:
+        print(
+            "detok topics ensure: the input grew, so request ids map to new partitions: a "
+            "request in flight may lose its later events (see docs/growing-partitions.md)",
+            file=sys.stderr,
+        )
     for name in result.raised_limits:
         print(f"raised    {name} max.message.bytes")
     return 0
