@@ -918,7 +918,7 @@ def top_frames(raw: Path, limit: int = 15) -> list[tuple[float, str]]:
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if "Worker._step" not in stack:
+        if "WorkerLoop.step" not in stack:
             continue
         frame = stack.rsplit(";", 1)[-1]
         self_counts[frame] = self_counts.get(frame, 0) + int(count)

@@ -56,6 +56,9 @@ RESTORE_BATCH = 10_000
 STALL_LOG_INTERVAL_S = 10.0
 # Bounds the one metadata lookup before reading (see `_look_up_metadata`).
 METADATA_TIMEOUT_S = 10.0
+# Bounds the lookup made again when a restore stalls: short, since the loop is not watching
+# for a stop request meanwhile.
+STALL_METADATA_TIMEOUT_S = 1.0
 
 
 # How long one lookup of the group's committed offsets waits for a pending transaction before
@@ -70,6 +73,19 @@ LOOKUP_MAX_RETRY_PAUSE_S = 2.0
 class RestoreInterrupted(Exception):
     """A stop was requested while restoring; the partitions stay unrestored, and none of their
     records is handled."""
+
+
+class ChangelogPartitionsMissing(FatalWorkerError):
+    """Partitions to restore that the changelog topic does not have: the input grew and the
+    changelog did not. Their restore would wait for them forever; the worker stops instead, and
+    names both counts (`workers.output_limits.changelog_too_small`)."""
+
+    def __init__(self, topic: str, partitions: int, missing: list[int]) -> None:
+        super().__init__(
+            f"changelog topic {topic} has {partitions} partitions; partitions {missing} to "
+            "restore do not exist"
+        )
+        self.partitions = partitions
 
 
 def changelog_record(
@@ -165,25 +181,32 @@ def settled_commits(
         pause = min(pause * 2, LOOKUP_MAX_RETRY_PAUSE_S)
 
 
-def _look_up_metadata(consumer: Consumer, topic: str) -> None:
+def _look_up_metadata(
+    consumer: Consumer, topic: str, partitions: list[int], timeout_s: float | None = None
+) -> None:
     """Ask for the changelog's metadata before reading: without it at hand, librdkafka looks it
     up on its own slower schedule, and asking first took an empty restore from ~2 s to ~0.1 s.
 
-    Only a head start: when no broker answers (every broker of a cluster restarting), the
-    restore goes on and waits for the cluster in its reading loop, which a stop ends. Raised
+    Raises FatalWorkerError for a changelog that does not exist, and ChangelogPartitionsMissing
+    for `partitions` it does not have: librdkafka waits for an assigned partition to appear,
+    silently, so the restore would wait forever (an input grown, its changelog not).
+
+    Otherwise only a head start: when no broker answers (every broker of a cluster restarting),
+    the restore goes on and waits for the cluster in its reading loop, which a stop ends. Raised
     from here, the lookup's transport error ended the worker instead (exit 1)."""
     try:
-        metadata = consumer.list_topics(topic, METADATA_TIMEOUT_S)
+        metadata = consumer.list_topics(topic, timeout_s or METADATA_TIMEOUT_S)
     except KafkaException as exception:
         log.warning("restore: metadata of %s not at hand (%s); reading on", topic, exception)
         return
     found = metadata.topics.get(topic)
-    if (
-        found is not None
-        and found.error is not None
-        and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
-    ):
+    if found is None:
+        return
+    if found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
         raise FatalWorkerError(f"changelog topic {topic} does not exist")
+    missing = [p for p in partitions if p not in found.partitions]
+    if found.error is None and found.partitions and missing:
+        raise ChangelogPartitionsMissing(topic, len(found.partitions), missing)
 
 
 def read_latest(
@@ -221,7 +244,7 @@ def read_latest(
     )
     latest: dict[bytes | None, Message] = {}
     try:
-        _look_up_metadata(consumer, topic)
+        _look_up_metadata(consumer, topic, numbers)
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in numbers])
         remaining = set(numbers)
         last_progress = time.monotonic()
@@ -232,6 +255,8 @@ def read_latest(
             if messages:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress >= STALL_LOG_INTERVAL_S:
+                # Asked again: the first lookup may have met no broker.
+                _look_up_metadata(consumer, topic, sorted(remaining), STALL_METADATA_TIMEOUT_S)
                 log.warning(
                     "restore of %s partitions %s: no progress for %.0f s (broker away?); "
                     "still waiting",

@@ -5,6 +5,11 @@ made every restart fail the same way: a crash loop. The worker reads each topic'
 `max.message.bytes` once at start (contract 6: `detok topics ensure` sets generous ones), sizes
 its producer to match, tells the processor how large a text and its held events may grow, and
 checks every record against its topic before producing it.
+
+The same start-up read takes the input's and the changelog's partition counts: the state of
+input partition p lives in changelog partition p, and the restore of an input partition the
+changelog does not have waited forever for it (an input grown with `kafka-topics --alter`, its
+changelog left behind). Such a worker now refuses to start, naming both counts and the fix.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from confluent_kafka import KafkaError
@@ -21,7 +26,9 @@ from confluent_kafka.admin import AdminClient
 from workers.kafka_clients import (
     NEW_TOPIC_GRACE_S,
     KafkaConnection,
+    KafkaUnavailable,
     TopicConfigUnread,
+    cluster_metadata,
     describe_topic_configs,
     make_admin,
     serve_refusals,
@@ -59,11 +66,30 @@ class TopicsUnavailable(Exception):
     """A topic is missing, or the broker did not answer within the start-up bound."""
 
 
+def changelog_too_small(
+    names: TopicNames, input_partitions: int | None, changelog_partitions: int
+) -> str:
+    """What a worker says when its changelog has fewer partitions than its input: both counts
+    (the input's None when the cluster did not say), why it cannot go on, and the fix
+    (workers/topics.py grows the changelog to the input's count)."""
+    count = "more" if input_partitions is None else str(input_partitions)
+    wanted = "N (the input's count)" if input_partitions is None else str(input_partitions)
+    return (
+        f"input topic {names.input} has {count} partitions but changelog topic "
+        f"{names.changelog} has {changelog_partitions}: the state of input partition p lives in "
+        f"changelog partition p, so input partitions from {changelog_partitions} on have nowhere "
+        f"to keep theirs; grow the changelog with the input: `detok topics ensure "
+        f"--partitions {wanted}` (docs/growing-partitions.md)"
+    )
+
+
 @dataclass(frozen=True)
 class OutputLimits:
-    """`max.message.bytes` of every topic the worker reads or writes (topic -> bytes)."""
+    """`max.message.bytes` of every topic the worker reads or writes (topic -> bytes), and the
+    partition counts of the input and the changelog (topic -> count; empty when not read)."""
 
     limits: dict[str, int]
+    partitions: dict[str, int] = field(default_factory=dict)
 
     def record_bytes(
         self,
@@ -110,6 +136,13 @@ class OutputLimits:
                 f"raise its max.message.bytes (e.g. `detok topics ensure`) to at least {needed}"
             )
 
+    def check_changelog_covers_input(self, names: TopicNames) -> None:
+        """Refuse to start when an input partition has no changelog partition for its state
+        (its restore would wait for it forever)."""
+        inputs, changelogs = self.partitions.get(names.input), self.partitions.get(names.changelog)
+        if inputs is not None and changelogs is not None and changelogs < inputs:
+            raise TopicLimitError(changelog_too_small(names, inputs, changelogs))
+
 
 def read_output_limits(
     connection: KafkaConnection,
@@ -140,7 +173,31 @@ def read_output_limits(
         )
     except TopicConfigUnread as unread:
         raise _unusable(unread.topic, unread.args[0], connection, timeout_s) from None
-    return OutputLimits({t: int(configs[t]["max.message.bytes"]) for t in topics})
+    return OutputLimits(
+        {t: int(configs[t]["max.message.bytes"]) for t in topics},
+        _partition_counts(admin, connection, [names.input, names.changelog], timeout_s, deadline),
+    )
+
+
+def _partition_counts(
+    admin: AdminClient,
+    connection: KafkaConnection,
+    topics: list[str],
+    timeout_s: float,
+    deadline: float,
+) -> dict[str, int]:
+    """The partition counts of `topics`, all of which were just described (so they exist), asked
+    within what is left of the start-up bound."""
+    counts = {}
+    for topic in topics:
+        try:
+            metadata = cluster_metadata(admin, max(0.1, deadline - time.monotonic()), topic)
+        except KafkaUnavailable:
+            raise _no_answer(connection, timeout_s) from None
+        found = metadata.topics.get(topic)
+        if found is not None and found.error is None:
+            counts[topic] = len(found.partitions)
+    return counts
 
 
 def _await_answer(

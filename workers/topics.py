@@ -5,10 +5,16 @@ usually does too, so every topic is created here with the shape the pipeline rel
 
 - `completions` and `changelog` are compacted: only the latest record per key matters, and a
   compacted log stays bounded while still rebuilding state from the beginning.
-- `changelog` has exactly the input's partition count: worker state for input partition p is
-  written to changelog partition p, so a differing count would restore the wrong state after a
-  rebalance. Such a topic is refused, never "fixed": Kafka cannot shrink a topic, and growing one
-  would re-map existing keys.
+- Every topic has `--partitions` partitions (by default the input's count when it exists, else
+  DEFAULT_PARTITIONS), and in particular the changelog has at least the input's: worker state for
+  input partition p is written to changelog partition p (by explicit partition, never by key
+  hash), and a worker refuses a changelog with fewer partitions than its input. A topic with
+  fewer partitions is grown: the changelog first, then the other outputs, the input last, so a
+  running worker is never assigned an input partition whose changelog partition does not exist
+  yet. Growing the changelog moves none of its records; growing the input moves the keys of new
+  requests (docs/growing-partitions.md says what that does to requests in flight), so the input
+  is only grown to a count given explicitly. A topic with more partitions is refused: Kafka
+  cannot shrink a topic.
 - Record size limits (`max.message.bytes`), so that no output the worker writes is refused by the
   broker (a refused output would otherwise stop a partition):
   - the input topic keeps whatever limit it has (the broker's `message.max.bytes`, 1,048,588
@@ -48,6 +54,7 @@ from confluent_kafka.admin import (
     AlterConfigOpType,
     ConfigEntry,
     ConfigResource,
+    NewPartitions,
     NewTopic,
     ResourceType,
 )
@@ -100,12 +107,14 @@ class TopicConfigurationMismatch(Exception):
 
 @dataclass(frozen=True)
 class EnsuredTopics:
-    """What `ensure_topics` did: topics it created, existing topics it validated, and existing
-    topics whose `max.message.bytes` it raised."""
+    """What `ensure_topics` did: topics it created, existing topics it validated, existing
+    topics whose `max.message.bytes` it raised, and existing topics it grew to `partitions`."""
 
     created: tuple[str, ...]
     validated: tuple[str, ...]
     raised_limits: tuple[str, ...] = ()
+    grown: tuple[str, ...] = ()
+    partitions: int = DEFAULT_PARTITIONS
 
 
 def required_message_limits(names: TopicNames, input_limit: int) -> dict[str, int]:
@@ -126,18 +135,21 @@ def message_limit(admin: AdminClient, topic: str, timeout_s: float = ADMIN_TIMEO
 def ensure_topics(
     connection: KafkaConnection | str,
     names: TopicNames,
-    partitions: int = DEFAULT_PARTITIONS,
+    partitions: int | None = None,
     replication_factor: int | None = None,
 ) -> EnsuredTopics:
-    """Create the pipeline's missing topics, validate the existing ones, raise too-low limits.
+    """Create the pipeline's missing topics, validate the existing ones, grow those with fewer
+    than `partitions` partitions, raise too-low limits.
 
-    Every topic gets `partitions` partitions; the changelog must match the input's actual count.
-    `replication_factor` defaults to `default_replication_factor` of the cluster's size.
-    Raises TopicConfigurationMismatch, listing every problem at once, if an existing topic has a
-    different partition count or a compacted topic lacks `cleanup.policy=compact`;
-    KafkaUnavailable if no broker answers.
+    `partitions` defaults to the input's count if it exists, else DEFAULT_PARTITIONS: growing the
+    input moves keys, so it happens only for a count asked for. `replication_factor` defaults to
+    `default_replication_factor` of the cluster's size. Raises TopicConfigurationMismatch, listing
+    every problem at once, if an existing topic has more partitions than `partitions` or a
+    compacted topic lacks `cleanup.policy=compact`; KafkaUnavailable if no broker answers.
     """
-    if partitions < 1 or (replication_factor is not None and replication_factor < 1):
+    if (partitions is not None and partitions < 1) or (
+        replication_factor is not None and replication_factor < 1
+    ):
         raise ValueError("partitions and replication_factor must be at least 1")
     admin = make_admin(as_connection(connection))
     if replication_factor is None:
@@ -146,6 +158,8 @@ def ensure_topics(
         )
     wanted = list(names.all)
     existing = _partition_counts(admin, wanted)
+    if partitions is None:
+        partitions = existing.get(names.input, DEFAULT_PARTITIONS)
     # Validate before creating, so a refused run leaves the cluster as it found it.
     _validate(admin, names, partitions, existing)
     missing = [name for name in wanted if name not in existing]
@@ -164,13 +178,17 @@ def ensure_topics(
     _create(admin, to_create, partitions, replication_factor)
     if missing:
         # Another `ensure` (or an operator) may have created some of them meanwhile.
-        _validate(admin, names, partitions, _partition_counts(admin, wanted))
+        existing = _partition_counts(admin, wanted)
+        _validate(admin, names, partitions, existing)
+    grown = _grow(admin, names, partitions, existing)
     raised = _raise_limits(admin, limits)
     _await_limits(admin, limits)
     return EnsuredTopics(
         created=tuple(missing),
-        validated=tuple(name for name in wanted if name in existing),
+        validated=tuple(name for name in wanted if name in existing and name not in missing),
         raised_limits=raised,
+        grown=grown,
+        partitions=partitions,
     )
 
 
@@ -228,6 +246,48 @@ def _create(
                 raise
 
 
+def _grow(
+    admin: AdminClient, names: TopicNames, partitions: int, existing: Mapping[str, int]
+) -> tuple[str, ...]:
+    """Grow every topic with fewer than `partitions` partitions to that many; the topics grown.
+
+    The changelog and the outputs first, the input once they show their new partitions: a
+    running worker is assigned an input partition only after its changelog partition exists
+    (a worker refuses an input partition without one)."""
+    short = [name for name in names.all if existing.get(name, partitions) < partitions]
+    outputs = [name for name in short if name != names.input]
+    for step in (outputs, [name for name in short if name == names.input]):
+        if not step:
+            continue
+        futures = admin.create_partitions(
+            [NewPartitions(name, partitions) for name in step],
+            operation_timeout=ADMIN_TIMEOUT_S,
+            request_timeout=ADMIN_TIMEOUT_S,
+        )
+        for future in futures.values():
+            future.result(timeout=ADMIN_TIMEOUT_S)
+        _await_partitions(admin, step, partitions)
+    return tuple(short)
+
+
+def _await_partitions(admin: AdminClient, topics: list[str], partitions: int) -> None:
+    """Return once every one of `topics` lists `partitions` partitions (new partitions reach the
+    brokers' metadata a moment after the request returns); raise TopicConfigurationMismatch if
+    one does not within ADMIN_TIMEOUT_S."""
+    deadline = time.monotonic() + ADMIN_TIMEOUT_S
+    while True:
+        counts = _partition_counts(admin, topics)
+        short = [name for name in topics if counts.get(name, 0) < partitions]
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            raise TopicConfigurationMismatch(
+                f"{short} still list fewer than {partitions} partitions "
+                f"{ADMIN_TIMEOUT_S:.0f} s after growing them"
+            )
+        time.sleep(POLL_INTERVAL_S)
+
+
 def _raise_limits(admin: AdminClient, limits: Mapping[str, int]) -> tuple[str, ...]:
     """Raise `max.message.bytes` of existing topics that are below `limits`; the topics raised."""
     current = topic_configs(admin, list(limits))
@@ -283,21 +343,16 @@ def _validate(
 ) -> None:
     """Raise TopicConfigurationMismatch listing every way `existing` topics differ from the need.
 
-    A topic not yet in `existing` will be created with `partitions`, so the changelog is compared
-    with the input's existing count if there is one, else with `partitions`.
+    A topic with fewer than `partitions` partitions is not a problem (`_grow` grows it); one with
+    more is, since Kafka cannot shrink a topic.
     """
     problems = []
     for name, count in existing.items():
-        if name != names.changelog and count != partitions:
-            problems.append(f"{name} has {count} partitions, expected {partitions}")
-    input_count = existing.get(names.input, partitions)
-    changelog_count = existing.get(names.changelog, input_count)
-    if changelog_count != input_count:
-        problems.append(
-            f"changelog {names.changelog} has {changelog_count} partitions but input "
-            f"{names.input} has {input_count}; they must be equal (state of input partition p "
-            "lives in changelog partition p)"
-        )
+        if count > partitions:
+            problems.append(
+                f"{name} has {count} partitions, expected {partitions} (a topic cannot shrink; "
+                f"--partitions {count} grows the others to match)"
+            )
     compacted_existing = [name for name in names.compacted if name in existing]
     for name, config in topic_configs(admin, compacted_existing).items():
         policy = config["cleanup.policy"]

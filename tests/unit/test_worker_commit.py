@@ -38,11 +38,12 @@ from workers.checkpointing import (
     ProducerFailed,
 )
 from workers.config import WorkerSettings
+from workers.membership import GROUP_THREAD_WAKE_S, membership_settings
 from workers.output_limits import OutputLimits
 from workers.output_writer import OutputWriter
 from workers.prometheus import PrometheusMetrics
 from workers.topic_names import TopicNames
-from workers.worker import GROUP_THREAD_WAKE_S, Worker
+from workers.worker import Worker
 
 
 class RefusingConsumer:
@@ -227,15 +228,15 @@ def worker(tmp_path: Path) -> Iterator[Worker]:
 def test_offsets_refused_by_a_rebalance_are_offered_again_for_kept_partitions(worker) -> None:
     strategy = RecordingStrategy()
     worker.strategy = strategy
-    worker.assigned = {0, 2}  # partition 1 went to another member in the rebalance
+    worker.ownership.assigned = {0, 2}  # partition 1 went to another member in the rebalance
     worker.checkpoint.offsets.update({0: 10, 1: 20, 2: 30})
-    worker.commit()
+    worker.emitter.commit()
     assert strategy.offered[0] == [(0, 10), (1, 20), (2, 30)]
     assert worker.checkpoint.offsets == {0: 10, 2: 30}
     assert worker.stats.commits == 0
 
     strategy.refuse = False
-    worker.commit()
+    worker.emitter.commit()
     assert strategy.offered[1] == [(0, 10), (2, 30)]
     assert worker.checkpoint.offsets == {} and worker.stats.commits == 1
 
@@ -274,11 +275,11 @@ def test_a_rollback_waits_out_a_moving_group_coordinator(worker, monkeypatch) ->
     consumer = MovingCoordinatorConsumer(refusals=3, committed={0: 40, 1: -1001})
     worker.consumer.close()
     worker.consumer = consumer
-    worker.assigned = {0, 1}
-    worker._rollback()
+    worker.ownership.assigned = {0, 1}
+    worker.emitter.rollback()
     assert consumer.lookups == 4
     assert consumer.seeks == [(0, 40), (1, OFFSET_BEGINNING)]
-    assert worker.restoring == {0, 1}
+    assert worker.ownership.restoring == {0, 1}
 
 
 def test_a_rollback_while_stopping_gives_up_on_the_coordinator_unrewound(
@@ -290,11 +291,11 @@ def test_a_rollback_while_stopping_gives_up_on_the_coordinator_unrewound(
     consumer = MovingCoordinatorConsumer(refusals=1_000, committed={0: 40})
     worker.consumer.close()
     worker.consumer = consumer
-    worker.assigned = {0}
+    worker.ownership.assigned = {0}
     worker.stop.requested = True
-    worker._rollback()
+    worker.emitter.rollback()
     assert consumer.lookups == 1 and consumer.seeks == []
-    assert worker.restoring == {0}
+    assert worker.ownership.restoring == {0}
 
 
 class StuckClosingConsumer:
@@ -329,10 +330,10 @@ def test_a_stopping_worker_does_not_wait_past_its_deadline_to_leave_the_group(
 
 def test_ttl_clock_is_record_time_until_a_partition_is_caught_up(worker) -> None:
     """Issue 16 item 9: idleness is measured against the partition's own progress."""
-    worker.owners.update({"caught-up": 0, "behind": 1, "not-read-yet": 2})
-    worker.at_end.add(0)
-    worker.newest_timestamp[1] = 1000.0
-    reference = worker.ttl_reference(now=5000.0)
+    worker.ownership.owners.update({"caught-up": 0, "behind": 1, "not-read-yet": 2})
+    worker.ownership.at_end.add(0)
+    worker.ownership.newest_timestamp[1] = 1000.0
+    reference = worker.expiry.ttl_reference(now=5000.0)
     assert reference("caught-up") == 5000.0  # nothing waits for it: wall clock
     assert reference("behind") == 1000.0  # its events may be in the backlog: record time
     assert reference("not-read-yet") == float("-inf")  # no clock until a record is read
@@ -355,7 +356,7 @@ def test_static_membership_joins_under_the_instance_id(tmp_path: Path) -> None:
         )
         worker = Worker(settings, registry, PrometheusMetrics(["bytes"], registry=None), limits)
         try:
-            membership = worker._membership_settings()
+            membership = membership_settings(worker.settings)
         finally:
             worker.consumer.close()
             worker.strategy.close()
@@ -371,33 +372,33 @@ def test_a_batch_is_handled_only_after_its_partitions_are_restored(worker, monke
 
     def restore_all(started_over: set[int]) -> Callable[[], set[int]]:
         def restore() -> set[int]:
-            calls.append(sorted(worker.restoring))
-            worker.restoring.clear()
+            calls.append(sorted(worker.ownership.restoring))
+            worker.ownership.restoring.clear()
             return started_over
 
         return restore
 
     def stopped_while_restoring() -> set[int]:
-        calls.append(sorted(worker.restoring))
+        calls.append(sorted(worker.ownership.restoring))
         return set()
 
-    worker.assigned = {0, 1}
-    worker._begin_restore([1])
-    monkeypatch.setattr(worker, "_restore", restore_all(set()))
-    assert worker._restore_before_handling(batch) == batch
+    worker.ownership.assigned = {0, 1}
+    worker.ownership.begin_restore([1])
+    monkeypatch.setattr(worker.membership, "restore", restore_all(set()))
+    assert worker.membership.restore_before_handling(batch) == batch
     assert calls == [[1]]
 
-    worker._begin_restore([1])
-    monkeypatch.setattr(worker, "_restore", stopped_while_restoring)
-    assert [m.partition() for m in worker._restore_before_handling(batch)] == [0]
+    worker.ownership.begin_restore([1])
+    monkeypatch.setattr(worker.membership, "restore", stopped_while_restoring)
+    assert [m.partition() for m in worker.membership.restore_before_handling(batch)] == [0]
     assert calls[-1] == [1]
 
     # A partition the restore started over at its beginning is fetched again from there, so
     # its records in this batch are not handled now.
-    worker.restoring.clear()
-    worker._begin_restore([1])
-    monkeypatch.setattr(worker, "_restore", restore_all({1}))
-    assert [m.partition() for m in worker._restore_before_handling(batch)] == [0]
+    worker.ownership.restoring.clear()
+    worker.ownership.begin_restore([1])
+    monkeypatch.setattr(worker.membership, "restore", restore_all({1}))
+    assert [m.partition() for m in worker.membership.restore_before_handling(batch)] == [0]
 
 
 class SeekingConsumer:
@@ -423,7 +424,9 @@ def test_partitions_the_group_never_committed_start_at_their_beginning_at_once(w
     consumer = SeekingConsumer(refuse={3})
     real_consumer, worker.consumer = worker.consumer, consumer
     try:
-        started_over = worker._start_uncommitted({0: 42, 1: OFFSET_INVALID, 2: 0, 3: -1001})
+        started_over = worker.membership.start_uncommitted(
+            {0: 42, 1: OFFSET_INVALID, 2: 0, 3: -1001}
+        )
     finally:
         worker.consumer = real_consumer
     assert consumer.seeks == [(1, OFFSET_BEGINNING)]
@@ -719,15 +722,17 @@ def test_an_assignments_first_records_commit_without_waiting_for_the_interval(
     """Issue 15 item 5: a worker that joins has no visible output until its first commit, so
     the first records of a new assignment are committed in the step that handled them; later
     records wait for the commit interval (a minute here, so only the early path can commit)."""
-    worker.settings = worker.settings.model_copy(update={"commit_interval_ms": 60_000})
+    worker.loop.settings = worker.loop.settings.model_copy(update={"commit_interval_ms": 60_000})
     worker.checkpoint.started_at = float("inf")  # the interval never elapses in this test
     strategy = RecordingStrategy()
     strategy.refuse = False
     worker.strategy = strategy
-    monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear() or set())
+    monkeypatch.setattr(
+        worker.membership, "restore", lambda: worker.ownership.restoring.clear() or set()
+    )
 
     def assign() -> list:
-        worker._on_assign(consumer, [TopicPartition(worker.topics.input, 0)])
+        worker.membership.on_assign(consumer, [TopicPartition(worker.topics.input, 0)])
         return []
 
     consumer = ScriptedConsumer(
@@ -740,11 +745,11 @@ def test_an_assignments_first_records_commit_without_waiting_for_the_interval(
     )
     real_consumer, worker.consumer = worker.consumer, consumer
     try:
-        worker._step()  # joined and assigned; nothing to commit yet
+        worker.loop.step()  # joined and assigned; nothing to commit yet
         assert strategy.offered == []
-        worker._step()  # the assignment's first records: committed at once
+        worker.loop.step()  # the assignment's first records: committed at once
         assert strategy.offered == [[(0, 1)]]
-        worker._step()  # later records wait for the interval
+        worker.loop.step()  # later records wait for the interval
         assert strategy.offered == [[(0, 1)]]
         assert worker.checkpoint.offsets == {0: 2}
     finally:
@@ -768,24 +773,24 @@ def test_a_rebalance_callback_is_followed_by_one_metadata_request_after_any_rest
 
     def restore() -> set[int]:
         consumer.calls.append("restore")
-        worker.restoring.clear()
+        worker.ownership.restoring.clear()
         return set()
 
-    monkeypatch.setattr(worker, "_restore", restore)
+    monkeypatch.setattr(worker.membership, "restore", restore)
 
     def assign() -> list:
-        worker._on_assign(consumer, [TopicPartition(worker.topics.input, 0)])
+        worker.membership.on_assign(consumer, [TopicPartition(worker.topics.input, 0)])
         return []
 
     def assign_nothing() -> list:
-        worker._on_assign(consumer, [])
+        worker.membership.on_assign(consumer, [])
         return []
 
     consumer = ScriptedConsumer(worker, [assign_nothing, [], assign, []])
     real_consumer, worker.consumer = worker.consumer, consumer
     try:
         for _ in range(4):
-            worker._step()
+            worker.loop.step()
     finally:
         worker.consumer = real_consumer
     topic = worker.topics.input
@@ -799,23 +804,25 @@ def test_the_loop_wakes_the_group_thread_once_per_notice_interval(worker, monkey
     assignment (a request that thread serves) once per REBALANCE_NOTICE_MS, however many steps
     run in between, with partitions or without."""
     clock = [1000.0]
-    monkeypatch.setattr("workers.worker.time.monotonic", lambda: clock[0])
-    monkeypatch.setattr(worker, "_restore", lambda: worker.restoring.clear() or set())
+    monkeypatch.setattr("workers.worker_loop.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr(
+        worker.membership, "restore", lambda: worker.ownership.restoring.clear() or set()
+    )
     consumer = ScriptedConsumer(worker, [[] for _ in range(8)])
     real_consumer, worker.consumer = worker.consumer, consumer
     try:
         for _ in range(3):
-            worker._step()
+            worker.loop.step()
         assert consumer.assignment_reads == 1, "steps within one interval wake it once"
         clock[0] += GROUP_THREAD_WAKE_S
         for _ in range(3):
-            worker._step()
+            worker.loop.step()
         assert consumer.assignment_reads == 2, "the next interval wakes it again"
-        worker.assigned.add(0)
-        worker._step()
+        worker.ownership.assigned.add(0)
+        worker.loop.step()
         assert consumer.assignment_reads == 2, "a member with partitions: once per interval too"
         clock[0] += GROUP_THREAD_WAKE_S
-        worker._step()
+        worker.loop.step()
         assert consumer.assignment_reads == 3, "a member with partitions is woken as well"
     finally:
         worker.consumer = real_consumer
@@ -896,7 +903,7 @@ def test_the_worker_hands_each_commit_the_records_it_produced_for_it(worker) -> 
     worker.writer.producer = ScriptedProducer()
     worker.checkpoint.offsets[0] = 1
     worker.checkpoint.outputs.append(Output(worker.topics.completions, b"r1", b"done"))
-    worker.commit()
+    worker.emitter.commit()
     assert [(topic, value) for topic, value, _ in strategy.records[0]] == [
         (worker.topics.completions, b"done")
     ]
@@ -912,7 +919,7 @@ def test_a_transaction_committed_again_is_counted_once_for_dashboards(worker) ->
     for recommits in (2, 0):  # refused twice and committed on the third attempt; then not
         strategy.recommits = recommits
         worker.checkpoint.offsets[0] = 1
-        worker.commit()
+        worker.emitter.commit()
     scraped = generate_latest(worker.metrics.registry).decode()
     assert "detok_transactions_recommitted_total 1.0" in scraped
     assert 'detok_transactions_total{outcome="committed"} 2.0' in scraped

@@ -26,14 +26,19 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         help="create missing topics, validate existing ones (idempotent)",
         description=(
             "Create the pipeline's topics and validate existing ones: partition counts, "
-            "compaction of completions and changelog, changelog partitions == input partitions. "
+            "compaction of completions and changelog. A topic with fewer partitions than "
+            "--partitions is grown (the changelog before the input; see "
+            "docs/growing-partitions.md); one with more is refused. "
             "Sets max.message.bytes on the output, changelog and dead-letter topics (and raises "
             "a lower existing one) so that no output the worker writes is refused."
         ),
     )
     add_connection_options(ensure)
     ensure.add_argument(
-        "--partitions", type=positive_int, default=DEFAULT_PARTITIONS, help="partitions per topic"
+        "--partitions",
+        type=positive_int,
+        help="partitions per topic (default: the input's count if it exists, else "
+        f"{DEFAULT_PARTITIONS}); topics with fewer are grown to it",
     )
     ensure.add_argument(
         "--replication-factor",
@@ -64,6 +69,14 @@ def run_ensure(args: argparse.Namespace) -> int:
         print(f"created   {name}")
     for name in result.validated:
         print(f"validated {name}")
+    for name in result.grown:
+        print(f"grew      {name} to {result.partitions} partitions")
+    if names.input in result.grown:
+        print(
+            "detok topics ensure: the input grew, so request ids map to new partitions: a "
+            "request in flight may lose its later events (see docs/growing-partitions.md)",
+            file=sys.stderr,
+        )
     for name in result.raised_limits:
         print(f"raised    {name} max.message.bytes")
     return 0

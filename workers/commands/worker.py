@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             lambda: stop.requested,
         )
         limits.check_dead_letters_hold_input(settings.topics)
+        limits.check_changelog_covers_input(settings.topics)
     except (TopicsUnavailable, TopicLimitError) as error:
         if stop.requested:
             return 0
