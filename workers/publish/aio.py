@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from workers.kafka_clients import DeliveryReport
 from workers.publish.publisher import Publisher
@@ -37,8 +37,9 @@ class AsyncPublisher:
         self.publisher = publisher
 
     @classmethod
-    async def create(cls, *args: object, **kwargs: object) -> AsyncPublisher:
-        return cls(await asyncio.to_thread(Publisher, *args, **kwargs))  # type: ignore[arg-type]
+    async def create(cls, *args: Any, **kwargs: Any) -> AsyncPublisher:
+        """`Publisher(*args, **kwargs)`, made off the event loop."""
+        return cls(await asyncio.to_thread(Publisher, *args, **kwargs))
 
     async def __aenter__(self) -> AsyncPublisher:
         return self
@@ -46,13 +47,37 @@ class AsyncPublisher:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def open(self, request_id: str, model: str, prompt_token_ids: Sequence[int], **options):  # type: ignore[no-untyped-def]
-        """`Publisher.open` (the same keyword options)."""
-        self.publisher.open(request_id, model, prompt_token_ids, **options)
+    async def open(
+        self,
+        request_id: str,
+        model: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """`Publisher.open`."""
+        self.publisher.open(
+            request_id,
+            model,
+            prompt_token_ids,
+            skip_special_tokens=skip_special_tokens,
+            stop=stop,
+            include_stop_str_in_output=include_stop_str_in_output,
+            prompt_tokens=prompt_tokens,
+        )
 
-    async def append(self, request_id: str, token_ids: Sequence[int], **logprobs) -> None:  # type: ignore[no-untyped-def]
-        """`Publisher.append` (`logprobs=`, `top_logprobs=`)."""
-        self.publisher.append(request_id, token_ids, **logprobs)
+    async def append(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+        top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None,
+    ) -> None:
+        """`Publisher.append`."""
+        self.publisher.append(request_id, token_ids, logprobs, top_logprobs)
 
     async def finish(self, request_id: str, finish_reason: str | None = None) -> None:
         self.publisher.finish(request_id, finish_reason)
