@@ -100,7 +100,7 @@ async def run(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bootstrap-servers", default="127.0.0.1:19092")
-    parser.add_argument("--topic", default="detok.input")
+    parser.add_argument("--topic", default="detok.tokens")
     parser.add_argument("--tokenizer", type=Path, required=True, help="a tokenizer.json")
     parser.add_argument("--model", default="gpt2", help="the model name the worker knows")
     parser.add_argument("--requests", type=int, default=16)
