@@ -228,10 +228,10 @@ class RequestEvents:
     def prompt_record(self, event: ParsedPrompt, key: bytes) -> bytes:
         """A prompt event's value: the whole prompt, or its tail with the full count.
 
-        A tail of `PROMPT_CONTEXT_IDS` ids decodes exactly as the whole prompt (docs, 'Prompt
-        tails'), so a prompt too large for the topic (a 150k-id prompt passes Kafka's default
-        1 MB) is sent as that tail rather than refused; `prompt_tail` asks for tails of every
-        prompt longer than it.
+        A tail of `PROMPT_CONTEXT_IDS` ids decodes exactly as the whole prompt
+        (docs/production-shapes.md, 'Prompt tails'), so a prompt too large for the topic (a
+        150k-id prompt passes Kafka's default 1 MB) is sent as that tail rather than refused;
+        `prompt_tail` asks for tails of every prompt longer than it.
         """
         ids = event.prompt_token_ids
         count = len(ids) if event.prompt_tokens is None else event.prompt_tokens
