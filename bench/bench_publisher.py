@@ -8,6 +8,8 @@ acknowledged), wall clock and this process's CPU:
 
   step      `Publisher.append_many` once per engine step (one lock per step), default linger
   append    `Publisher.append` once per request per step (one lock per id), default linger
+  threads   `append` as above from 4 threads sharing the publisher, each with a quarter of
+            the requests: the one lock under contention (the GIL serialises Python anyway)
   baseline  one record per id, produced as `detok replay` produced before the publisher
             (encode the tokens event, `produce` with a delivery callback): the plain
             one-record-per-chunk producer an engine would write without it
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -42,6 +45,7 @@ from workers.topic_names import TopicNames
 from workers.topics import ensure_topics
 
 TARGET_IDS_PER_S = 1_000_000
+THREADS = 4
 PROMPT = list(range(1000, 1200))
 
 
@@ -58,17 +62,36 @@ def run_step(publisher: Publisher, requests: int, tokens: int) -> None:
 
 
 def run_append(publisher: Publisher, requests: int, tokens: int) -> None:
-    ids = [f"r{i}" for i in range(requests)]
     with publisher:
-        append = publisher.append
+        append_per_id(publisher, [f"r{i}" for i in range(requests)], tokens)
+
+
+def append_per_id(publisher: Publisher, ids: list[str], tokens: int) -> None:
+    """Open `ids`, one `append` call per request per step, finish them."""
+    append = publisher.append
+    for request_id in ids:
+        publisher.open(request_id, "gpt2", PROMPT)
+    for step in range(tokens):
+        token = [step % 50_000]
         for request_id in ids:
-            publisher.open(request_id, "gpt2", PROMPT)
-        for step in range(tokens):
-            token = [step % 50_000]
-            for request_id in ids:
-                append(request_id, token)
-        for request_id in ids:
-            publisher.finish(request_id, "length")
+            append(request_id, token)
+    for request_id in ids:
+        publisher.finish(request_id, "length")
+
+
+def run_threads(publisher: Publisher, requests: int, tokens: int) -> None:
+    """`append` rows of THREADS engine threads sharing the publisher (and its one lock), each
+    with its share of the requests: what the lock costs under contention."""
+    shares = [[f"r{i}" for i in range(t, requests, THREADS)] for t in range(THREADS)]
+    with publisher:
+        threads = [
+            threading.Thread(target=append_per_id, args=(publisher, share, tokens))
+            for share in shares
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
 
 def run_baseline(connection: KafkaConnection, topic: str, requests: int, tokens: int) -> int:
@@ -103,6 +126,7 @@ def run_baseline(connection: KafkaConnection, topic: str, requests: int, tokens:
 PUBLISHER_ROWS: dict[str, Callable[[Publisher, int, int], None]] = {
     "step": run_step,
     "append": run_append,
+    "threads": run_threads,
 }
 ROWS = (*PUBLISHER_ROWS, "baseline")
 
