@@ -198,10 +198,6 @@ class Publisher:
             self._raise_failures()
             self._events.finish(request_id, finish_reason)
 
-    def is_open(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._events
-
     def pass_through(self, value: bytes) -> None:
         """Produce `value` unkeyed, as it is: `detok replay` sends an input line it could not
         read this way, so the worker dead-letters it as it would a broken producer's record."""
