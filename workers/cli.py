@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "workers.commands.worker",
     "workers.commands.replay",
     "workers.commands.collect",
+    "workers.commands.follow",
     "workers.commands.dlq",
     "workers.commands.demo",
     "workers.commands.acls",

@@ -17,36 +17,31 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
+from typing import Any, Protocol
 
-import msgspec
-from confluent_kafka import KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 from tqdm import tqdm
 
-from pipeline.decode_state import PROMPT_CONTEXT_IDS
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from pipeline.records import SourceRecord
 from schemas.events import Completion
-from schemas.fast_events import ParsedEvent, ParsedPrompt, encode_event
+from schemas.fast_events import ParsedEvent, ParsedPrompt, ParsedTokens
 from schemas.validation import Rejection, is_record_fault, parse_model
 from workers.formats import completion_writer, format_of, reading, replacing
 from workers.formats.base import RequestFailure
 from workers.kafka_clients import (
     METADATA_TIMEOUT_S,
-    DeliveryTracker,
     KafkaConnection,
     as_connection,
-    make_admin,
     make_consumer,
-    make_producer,
-    sized_for,
     topic_partitions,
 )
-from workers.output_limits import RECORD_OVERHEAD_BYTES
-from workers.topics import message_limit
+from workers.publish.events import RequestEvents
+from workers.publish.publisher import FailedRecord, Publisher
 
 log = logging.getLogger("detok.replay")
 
@@ -73,6 +68,43 @@ class ReplayTotals:
     invalid_records: int = 0
 
 
+class EventTarget(Protocol):
+    """Where replay's events go: a `Publisher`, or `_RecordList` (the same core, no broker)."""
+
+    def open(
+        self, request_id: str, model: str, prompt_token_ids: Sequence[int], **options: Any
+    ) -> None: ...
+
+    def append(
+        self, request_id: str, token_ids: Sequence[int], logprobs: Any, top_logprobs: Any
+    ) -> None: ...
+
+    def finish(self, request_id: str, finish_reason: str | None) -> None: ...
+
+    def pass_through(self, value: bytes) -> None: ...
+
+
+class _RecordList:
+    """The publisher's event core (`RequestEvents`, coalescing off) writing into a list."""
+
+    def __init__(self, prompt_tail: int | None, max_record_bytes: int | None) -> None:
+        self.records: list[KafkaRecord] = []
+        events = RequestEvents(
+            self._sink,
+            coalesce=False,
+            max_record_bytes=max_record_bytes,
+            prompt_tail=prompt_tail,
+            log=log,
+        )
+        self.open, self.append, self.finish = events.open, events.append, events.finish
+
+    def _sink(self, key: bytes, value: bytes, _seq: int) -> None:
+        self.records.append((key, value))
+
+    def pass_through(self, value: bytes) -> None:
+        self.records.append((None, value))
+
+
 def replay_events(
     records: Iterable[SourceRecord],
     chunk_size: int,
@@ -80,94 +112,82 @@ def replay_events(
     prompt_tail: int | None = None,
     max_record_bytes: int | None = None,
 ) -> Iterator[KafkaRecord]:
-    """Kafka records for a stream of input records, REPLAY_WINDOW requests interleaved.
+    """Kafka records for a stream of input records, REPLAY_WINDOW requests interleaved: what
+    `replay` produces, built by the same publisher core without a broker.
 
     Prompts go whole unless `prompt_tail` asks for tails, or a prompt record would exceed
-    `max_record_bytes` (see `_prompt_record`)."""
-    window: list[list[KafkaRecord]] = []
+    `max_record_bytes` (see `RequestEvents.prompt_record`)."""
+    target = _RecordList(prompt_tail, max_record_bytes)
+    for _ in publish_records(records, chunk_size, target):
+        yield from target.records
+        target.records.clear()
+
+
+def publish_records(
+    records: Iterable[SourceRecord], chunk_size: int, target: EventTarget
+) -> Iterator[ParsedEvent | bytes]:
+    """Send every input record's events to `target`, REPLAY_WINDOW requests interleaved the way
+    concurrent generations interleave; yields each event once sent (an invalid record's bytes).
+
+    Each generation is cut as `detok run` cuts it (`generation_events`) and each cut is one
+    publisher call, so the publisher's seqs are the cut's. An invalid record passes through
+    unkeyed as it was read, so the worker dead-letters it exactly as a broken producer's record.
+    """
+    window: list[SourceRecord] = []
     for record in records:
-        window.append(record_events(record, chunk_size, prompt_tail, max_record_bytes))
+        window.append(record)
         if len(window) == REPLAY_WINDOW:
-            yield from _interleave(window)
+            yield from _publish_window(window, chunk_size, target)
             window = []
-    yield from _interleave(window)
+    yield from _publish_window(window, chunk_size, target)
 
 
-def record_events(
-    record: SourceRecord,
-    chunk_size: int,
-    prompt_tail: int | None = None,
-    max_record_bytes: int | None = None,
-) -> list[KafkaRecord]:
-    """The Kafka records of one input record: its generation's events keyed by request id; an
-    invalid record passes through unkeyed as it was read, so the worker dead-letters it exactly
-    as it would a broken producer's record."""
+def _publish_window(
+    window: list[SourceRecord], chunk_size: int, target: EventTarget
+) -> Iterator[ParsedEvent | bytes]:
+    streams = [_record_events(record, chunk_size) for record in window]
+    for round_events in zip_longest(*streams):
+        for event in round_events:
+            if event is not None:
+                _send_event(event, target)
+                yield event
+
+
+def _record_events(record: SourceRecord, chunk_size: int) -> list[ParsedEvent | bytes]:
+    """One input record's events; an invalid record, or one whose generation the events
+    refuse (a reader that let it through, issue 32), passes through unkeyed as it was read, so
+    the worker dead-letters it as it would a broken producer's record; the rest is replayed."""
     if isinstance(record.parsed, Rejection):
-        return [(None, record.original())]
-    key = record.parsed.request_id.encode()
+        return [record.original()]
     try:
-        events = generation_events(record.parsed, chunk_size)
+        return list(generation_events(record.parsed, chunk_size))
     except BaseException as error:
-        # One generation the events refuse (a reader that let it through, issue 32) goes as
-        # an invalid record does; the rest of the file is replayed.
         if not is_record_fault(error) or isinstance(error, MemoryError):
             raise
         log.warning(
             "%s: not replayed as events (%s: %s)", record.position, type(error).__name__, error
         )
-        return [(None, record.original())]
-    return [
-        (key, _prompt_record(event, key, prompt_tail, max_record_bytes))
-        if type(event) is ParsedPrompt
-        else (key, encode_event(event))
-        for event in events
-    ]
+        return [record.original()]
 
 
-def _prompt_record(
-    event: ParsedEvent, key: bytes, prompt_tail: int | None, max_record_bytes: int | None
-) -> bytes:
-    """A prompt event's value: the whole prompt, or its tail with the full count.
-
-    A tail of `PROMPT_CONTEXT_IDS` ids decodes exactly as the whole prompt
-    (docs/production-shapes.md, 'Prompt tails'), so a prompt too large for the topic (a 150k-id
-    prompt passes Kafka's default 1 MB) is sent as that tail rather than refused; `prompt_tail`
-    asks for tails of every prompt.
-    """
-    assert type(event) is ParsedPrompt
-    ids = event.prompt_token_ids
-    count = len(ids) if event.prompt_tokens is None else event.prompt_tokens
-    if prompt_tail is not None and len(ids) > prompt_tail:
-        return encode_event(_with_tail(event, prompt_tail, count))
-    value = encode_event(event)
-    if (
-        max_record_bytes is not None
-        and len(value) + len(key) + RECORD_OVERHEAD_BYTES > max_record_bytes
-        and len(ids) > PROMPT_CONTEXT_IDS
-    ):
-        log.info(
-            "request %s: prompt of %d ids is %d bytes, over the record limit %d: sending its "
-            "last %d ids with prompt_tokens=%d",
+def _send_event(event: ParsedEvent | bytes, target: EventTarget) -> None:
+    """One event (or an invalid record's bytes) as its publisher call."""
+    if isinstance(event, bytes):
+        target.pass_through(event)
+    elif type(event) is ParsedPrompt:
+        target.open(
             event.request_id,
-            count,
-            len(value),
-            max_record_bytes,
-            PROMPT_CONTEXT_IDS,
-            count,
+            event.model,
+            event.prompt_token_ids,
+            skip_special_tokens=event.skip_special_tokens,
+            stop=event.stop,
+            include_stop_str_in_output=event.include_stop_str_in_output,
+            prompt_tokens=event.prompt_tokens,
         )
-        return encode_event(_with_tail(event, PROMPT_CONTEXT_IDS, count))
-    return value
-
-
-def _with_tail(event: ParsedPrompt, tail: int, count: int) -> ParsedPrompt:
-    return msgspec.structs.replace(
-        event, prompt_token_ids=event.prompt_token_ids[-tail:], prompt_tokens=count
-    )
-
-
-def _interleave(window: list[list[KafkaRecord]]) -> Iterator[KafkaRecord]:
-    for round_records in zip_longest(*window):
-        yield from (record for record in round_records if record is not None)
+    elif type(event) is ParsedTokens:
+        target.append(event.request_id, event.token_ids, event.logprobs, event.top_logprobs)
+    else:
+        target.finish(event.request_id, event.finish_reason)
 
 
 def replay(
@@ -181,63 +201,67 @@ def replay(
     progress: bool = True,
     prompt_tail: int | None = None,
 ) -> ReplayTotals:
-    """Produce the events of every record of `input_path` to `topic`.
+    """Produce the events of every record of `input_path` to `topic`, through the engines'
+    `Publisher` with coalescing off (each cut is one event).
 
     The producer's record limit is the topic's `max.message.bytes`, so a record the broker would
     refuse is refused alone, at once, instead of failing every record batched with it; it is
-    counted, and the rest goes on. A prompt record that would pass the limit is sent as its tail
-    (`_prompt_record`); `prompt_tail` sends every prompt longer than that as its last
-    `prompt_tail` ids. Raises UndeliveredRecords (after the whole file) if anything
-    was not delivered, KafkaUnavailable or UnknownTopic before producing anything, FormatError
-    when the file cannot be read as its format.
+    counted, and the rest goes on. A prompt record that would pass the limit is sent as its tail;
+    `prompt_tail` sends every prompt longer than that as its last `prompt_tail` ids. Raises
+    UndeliveredRecords (after the whole file) if anything was not delivered, KafkaUnavailable or
+    UnknownTopic before producing anything, FormatError when the file cannot be read as its
+    format.
     """
     # The file is opened (and its format checked) before anything touches the cluster.
     with reading(input_path, format_of(input_path, input_format), progress=None) as records:
-        connection = as_connection(connection)
-        admin = make_admin(connection)
-        topic_partitions(admin, topic, METADATA_TIMEOUT_S)
-        limit = message_limit(admin, topic, METADATA_TIMEOUT_S)
-        producer = make_producer(
+        publisher = Publisher(
             connection,
-            {
-                **REPLAY_PRODUCER_SETTINGS,
-                **sized_for(limit),
-                "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000),
-            },
+            topic,
+            linger_s=0,
+            on_error=_log_failure,
+            prompt_tail=prompt_tail,
+            delivery_timeout_s=DELIVERY_TIMEOUT_S,
+            producer_settings=REPLAY_PRODUCER_SETTINGS,
+            log=log,
         )
-        tracker = DeliveryTracker()
-        events = replay_events(records, chunk_size, prompt_tail=prompt_tail, max_record_bytes=limit)
-        totals = _produce(producer, tracker, events, topic, rate, progress)
-    # Past DELIVERY_TIMEOUT_S every record has its report; the margin covers the last callbacks.
-    tracker.settle(producer, DELIVERY_TIMEOUT_S + 5)
+        try:
+            totals = _produce(publisher, records, chunk_size, rate, progress)
+        finally:
+            # Past DELIVERY_TIMEOUT_S every record has its report; close raises if any failed.
+            publisher.close()
     return totals
 
 
+def _log_failure(failure: FailedRecord) -> None:
+    """Replay goes on past a failed record and counts it (UndeliveredRecords at the end)."""
+    log.warning("request %s seq %s not delivered: %s", failure.request_id, failure.seq,
+                failure.error)  # fmt: skip
+
+
 def _produce(
-    producer: Producer,
-    tracker: DeliveryTracker,
-    records: Iterator[KafkaRecord],
-    topic: str,
+    publisher: Publisher,
+    records: Iterable[SourceRecord],
+    chunk_size: int,
     rate: float | None,
     progress: bool,
 ) -> ReplayTotals:
     totals = ReplayTotals()
     started = time.monotonic()
     bar = tqdm(desc="replay", unit="ev", file=sys.stderr, disable=not progress)
-    for key, value in records:
-        tracker.produce(producer, topic, value, key=key)
+    for event in publish_records(records, chunk_size, publisher):
         totals.events += 1
-        if key is None:
+        if isinstance(event, bytes):
             totals.invalid_records += 1
-        elif value.startswith(b'{"type":"prompt"'):
+        elif type(event) is ParsedPrompt:
             totals.requests += 1
+        elif type(event) is ParsedTokens:
+            totals.generated_tokens += len(event.token_ids)
         if rate is not None:
             # Sleep off any lead over the schedule `rate` events per second sets.
             lead = totals.events / rate - (time.monotonic() - started)
             if lead > 0:
                 time.sleep(lead)
         if totals.events % 1000 == 0:
-            producer.poll(0)
             bar.update(1000)
     bar.update(totals.events % 1000)
     bar.close()
