@@ -24,7 +24,7 @@ from workers.formats.base import Destination
 from workers.formats.jsonl import jsonl_records
 from workers.formats.openai import openai_batch_records
 from workers.formats.parquet import ParquetCompletions, parquet_records, read_completions
-from workers.replay import record_events
+from workers.replay import replay_events
 
 IDS = pa.list_(pa.uint32())
 
@@ -144,7 +144,7 @@ def test_a_batch_line_whose_choice_is_not_an_object_is_a_dead_letter(
     assert "choices[0]" in letter["error"]
     # Replay passes the line through unkeyed, for the worker to dead-letter.
     records = list(openai_batch_records(source.read_bytes().splitlines()))
-    assert record_events(records[0], 16) == [(None, json.dumps(bad).encode())]
+    assert list(replay_events(records[:1], 16)) == [(None, json.dumps(bad).encode())]
 
 
 def test_any_exception_for_one_batch_line_rejects_that_line(
@@ -204,7 +204,7 @@ def test_a_generation_its_events_refuse_is_a_dead_letter_offline_and_unkeyed_in_
     assert (letter.reason, letter.error_class) == ("unexpected_error", "ValueError")
     assert letter.value == b'{"the":"row"}' and outcomes[0].position.row == 0
     assert outcomes[1].completion is not None and outcomes[1].completion.text == "i"
-    assert record_events(records[0], 16) == [(None, b'{"the":"row"}')]
+    assert list(replay_events(records[:1], 16)) == [(None, b'{"the":"row"}')]
 
 
 def completion(request_id: str, prompt_tokens: int) -> Completion:
