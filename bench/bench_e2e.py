@@ -69,7 +69,20 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import LoggedGeneration
 from schemas.fast_events import encode_event
 from schemas.validation import parse_event
-from workers.broker import (
+from workers.commands.options import add_connection_options, connection_from, kafka_config_arguments
+from workers.formats.jsonl import jsonl_records
+from workers.io.replay import replay, replay_events
+from workers.kafka.clients import (
+    METADATA_TIMEOUT_S,
+    KafkaConnection,
+    cluster_metadata,
+    make_admin,
+    make_consumer,
+    make_producer,
+)
+from workers.kafka.config import CONFIG_FILE_ENV, KafkaConfigError
+from workers.kafka.topics import TopicNames, delete_topics, ensure_topics
+from workers.local.broker import (
     DEFAULT_DATA_DIR,
     DEFAULT_PORT,
     LOOPBACK,
@@ -80,20 +93,7 @@ from workers.broker import (
     start_cluster,
     stop_cluster,
 )
-from workers.commands.options import add_connection_options, connection_from, kafka_config_arguments
-from workers.formats.jsonl import jsonl_records
-from workers.kafka_clients import (
-    METADATA_TIMEOUT_S,
-    KafkaConnection,
-    cluster_metadata,
-    make_admin,
-    make_consumer,
-    make_producer,
-)
-from workers.kafka_config import CONFIG_FILE_ENV, KafkaConfigError
-from workers.process_policy import tune_garbage_collector
-from workers.replay import replay, replay_events
-from workers.topics import TopicNames, delete_topics, ensure_topics
+from workers.runtime.process_policy import tune_garbage_collector
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 16
@@ -408,7 +408,7 @@ def committed_offsets(
 
 def drop_topics(connection: KafkaConnection, names: TopicNames, keep: str | None = None) -> None:
     """Delete a measured run's topics (all but `keep`): a broker left with every run's
-    partitions slows down the runs after it (see `workers.topics.delete_topics`)."""
+    partitions slows down the runs after it (see `workers.kafka.topics.delete_topics`)."""
     wanted = [topic for topic in names.model_dump().values() if topic != keep]
     for topic in delete_topics(connection, wanted):
         print(f"# could not delete topic {topic}", file=sys.stderr)

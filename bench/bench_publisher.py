@@ -38,11 +38,11 @@ from confluent_kafka import KafkaError, Message
 
 from schemas.fast_events import ParsedFinish, ParsedPrompt, ParsedTokens, encode_event
 from workers.commands.options import add_connection_options, connection_from
-from workers.kafka_clients import KafkaConnection, make_producer, produce
-from workers.publish import DEFAULT_LINGER_S, Publisher
-from workers.publish.publisher import PUBLISHER_PRODUCER_SETTINGS
-from workers.topic_names import TopicNames
-from workers.topics import ensure_topics
+from workers.io.publish import DEFAULT_LINGER_S, Publisher
+from workers.io.publish.publisher import PUBLISHER_PRODUCER_SETTINGS
+from workers.kafka.clients import KafkaConnection, make_producer, produce
+from workers.kafka.topic_names import TopicNames
+from workers.kafka.topics import ensure_topics
 
 TARGET_IDS_PER_S = 1_000_000
 THREADS = 4

@@ -1,6 +1,6 @@
 """The SASL_SSL row of `bench/bench_e2e.py --sasl-ssl`: what TLS and SCRAM cost one worker.
 
-A second, secured local broker (`workers.secure_broker`: SASL_SSL, SCRAM-SHA-512, ACLs) runs
+A second, secured local broker (`workers.local.secure_broker`: SASL_SSL, SCRAM-SHA-512, ACLs) runs
 beside the plaintext one. Each repeat drains the same workload with one exactly-once worker on
 the plaintext broker (bench_e2e's own `run_workers`) and then on the secured one, as the `worker`
 principal holding only `detok acls grant --role worker`'s ACLs; the best of each is reported
@@ -20,13 +20,13 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from bench import bench_e2e
-from workers import broker
-from workers.acls import grant, role_grants
-from workers.kafka_clients import KafkaConnection, make_consumer
-from workers.kafka_config import read_properties_file
-from workers.replay import replay
-from workers.secure_broker import SecureBroker, start_secure_broker
-from workers.topics import delete_topics, ensure_topics
+from workers.io.replay import replay
+from workers.kafka.acls import grant, role_grants
+from workers.kafka.clients import KafkaConnection, make_consumer
+from workers.kafka.config import read_properties_file
+from workers.kafka.topics import delete_topics, ensure_topics
+from workers.local import broker
+from workers.local.secure_broker import SecureBroker, start_secure_broker
 
 
 def compare(

@@ -80,10 +80,10 @@ from bench.bench_e2e import (
 )
 from pipeline.request_state import split_changelog_key
 from workers.commands.options import add_connection_options
-from workers.kafka_clients import KafkaConnection, make_consumer
-from workers.kafka_config import KafkaConfigError
-from workers.replay import replay
-from workers.topics import ensure_topics
+from workers.io.replay import replay
+from workers.kafka.clients import KafkaConnection, make_consumer
+from workers.kafka.config import KafkaConfigError
+from workers.kafka.topics import ensure_topics
 
 LONG_PROMPTS = (8_192, 32_768)
 LONG_GENERATION = (16_384, 32_768)

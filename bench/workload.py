@@ -1,6 +1,6 @@
-"""The benchmarks' workload generator, which lives in `workers.sample_workload` (the demo uses it
-too); kept importable here for the benchmark scripts."""
+"""The benchmarks' workload generator, which lives in `workers.local.sample_workload` (the demo
+uses it too); kept importable here for the benchmark scripts."""
 
-from workers.sample_workload import generations
+from workers.local.sample_workload import generations
 
 __all__ = ["generations"]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from workers.publish import AsyncPublisher, StepOutput
+from workers.io.publish import AsyncPublisher, StepOutput
 
 TEXTS = [
     "Kafka keeps the log; the workers keep one decoder per live request and publish its text.",

@@ -1,7 +1,7 @@
 """A logged generation as a reader hands it over: parsed, and where in its file it came from.
 
 The seam between file formats and the core. A reader (JSONL, Parquet, an OpenAI batch file, in
-`workers/formats/`) turns its file into `SourceRecord`s; `pipeline.offline` and `workers.replay`
+`workers/formats/`) turns its file into `SourceRecord`s; `pipeline.offline` and `workers.io.replay`
 only ever see these, so a new format touches neither. Parsing belongs to the reader because only
 it knows the encoding (a JSON line, an Arrow row); the core keeps the rules that hold whatever the
 format (one request id once, the decode itself).

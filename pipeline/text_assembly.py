@@ -1,5 +1,5 @@
 """One request's text rebuilt from its deltas, placed by offset: what a reader that follows
-requests (`workers.follow`) shows.
+requests (`workers.io.follow`) shows.
 
 A delta says where its text starts (`text_offset`, characters before it). Under exactly-once a
 read_committed reader sees each delta once, in order; under at-least-once a worker restarted

@@ -3,8 +3,8 @@
 Where it comes from, in order:
 1. `KAFKA_BOOTSTRAP_SERVERS` if set: someone already runs a broker (CI job, developer's cluster).
 2. A testcontainers Kafka container (KRaft) if a Docker engine answers.
-3. The local broker of `workers.broker` (Apache Kafka from Maven Central jars), started on a free
-   port pair with a fresh data directory under `.kafka-local/`, and stopped at session end.
+3. The local broker of `workers.local.broker` (Apache Kafka from Maven Central jars), started on a
+   free port pair with a fresh data directory under `.kafka-local/`, and stopped at session end.
 
 One broker per session: starting one costs seconds, and tests isolate themselves with unique topic
 and group names instead. With no broker, tests are skipped locally and fail in CI (`CI=true`).
@@ -28,7 +28,7 @@ from confluent_kafka import Consumer, Message
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.conftest import REPO_ROOT, missing_resource
-from workers import broker
+from workers.local import broker
 
 if TYPE_CHECKING:
     from tests.integration.worker_harness import PipelineRun
@@ -46,7 +46,9 @@ DOCKER_PING_TIMEOUT_S = 3
 @dataclass(frozen=True)
 class KafkaUnderTest:
     bootstrap_servers: str
-    local_broker: broker.RunningBroker | None  # set when this session started workers.broker's
+    local_broker: (
+        broker.RunningBroker | None
+    )  # set when this session started workers.local.broker's
 
 
 @pytest.fixture(scope="session")
@@ -68,9 +70,9 @@ def kafka_bootstrap(kafka_under_test: KafkaUnderTest) -> str:
 
 @pytest.fixture(scope="session")
 def local_broker(kafka_under_test: KafkaUnderTest) -> broker.RunningBroker:
-    """The session's broker when it is `workers.broker`'s; tests of `detok broker` need it."""
+    """The session's broker when it is `workers.local.broker`'s; tests of `detok broker` need it."""
     if kafka_under_test.local_broker is None:
-        pytest.skip("the session's broker is not the local workers.broker one")
+        pytest.skip("the session's broker is not the local workers.local.broker one")
     return kafka_under_test.local_broker
 
 

@@ -29,7 +29,7 @@ from tests.conftest import REPO_ROOT
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.worker_harness import models, read_messages
 from workers.cli import main as cli_main
-from workers.topics import TopicNames
+from workers.kafka.topics import TopicNames
 
 # A worker given `--exit-when-idle` stops a few seconds after its input is drained; on a loaded
 # machine its start-up (tokenizer tables, group join, restore) takes up to ~20 s more. Twice the

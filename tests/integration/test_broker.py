@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import free_port_pair
-from workers import broker
+from workers.local import broker
 
 # A broker start is measured at ~3-5 s; the command bounds itself at 120 s, plus jar fetching.
 COMMAND_BOUND_S = 300

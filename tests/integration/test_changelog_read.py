@@ -1,4 +1,4 @@
-"""What a restore reads from a real changelog topic (`workers.changelog`), and when.
+"""What a restore reads from a real changelog topic (`workers.runtime.changelog`), and when.
 
 Under at-least-once a snapshot is produced before its input offsets commit, so a kill -9 can
 leave a request's newest snapshot ahead of the commit. The restore must then take the snapshot
@@ -13,8 +13,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests.integration.conftest import unique_name
 from tests.integration.worker_harness import pipeline_topics
-from workers.changelog import PROCESSED_OFFSET_HEADER, read_latest, settled_commits
-from workers.kafka_clients import KafkaConnection
+from workers.kafka.clients import KafkaConnection
+from workers.runtime.changelog import PROCESSED_OFFSET_HEADER, read_latest, settled_commits
 
 pytestmark = pytest.mark.integration
 

@@ -49,12 +49,12 @@ from tests.integration.worker_harness import (
     stop,
     write_jsonl,
 )
-from workers import broker
 from workers.formats.jsonl import jsonl_records
-from workers.kafka_clients import DeliveryTracker, KafkaConnection, make_admin, make_producer
-from workers.output_limits import OutputLimits, TopicsUnavailable, read_output_limits
-from workers.replay import replay_events
-from workers.topics import topic_configs
+from workers.io.replay import replay_events
+from workers.kafka.clients import DeliveryTracker, KafkaConnection, make_admin, make_producer
+from workers.kafka.topics import topic_configs
+from workers.local import broker
+from workers.runtime.output_limits import OutputLimits, TopicsUnavailable, read_output_limits
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -83,7 +83,7 @@ PRODUCER_TIMEOUT_MS = 300_000
 # full, as commits come in bursts on a loaded machine.
 WINDOW_S = 5.0
 # What a worker logs when it replaces a producer its client made unusable
-# (workers/checkpointing.py).
+# (workers/runtime/checkpointing.py).
 REPLACED_MARK = "replacing the producer ("
 
 
@@ -180,7 +180,7 @@ class Run:
 class Replayer(threading.Thread):
     """`detok replay`'s records at a pace, in the background; keeps its error for the test.
 
-    Its own producer rather than `workers.replay.replay`, whose records time out after 60 s: on
+    Its own producer rather than `workers.io.replay.replay`, whose records time out after 60 s: on
     a loaded machine every broker stopped for 20 s and restarted takes longer than that, and the
     stream must survive the outage as a real producer configured for it would.
     """

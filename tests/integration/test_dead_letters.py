@@ -10,7 +10,7 @@ from confluent_kafka import Producer
 
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.worker_harness import pipeline_topics, read_topic, start_worker, wait_exit
-from workers.dead_letters import redrive
+from workers.kafka.dead_letters import redrive
 
 pytestmark = pytest.mark.integration
 

@@ -25,9 +25,9 @@ from tests.integration.worker_harness import (
     wait_for_log,
     worker_log,
 )
-from workers.follow import follow
-from workers.publish import Publisher
-from workers.topic_names import TopicNames
+from workers.io.follow import follow
+from workers.io.publish import Publisher
+from workers.kafka.topic_names import TopicNames
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

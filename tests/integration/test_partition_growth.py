@@ -22,7 +22,7 @@ from confluent_kafka.admin import AdminClient, NewPartitions
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.worker_harness import pipeline_topics, start_worker, topic_args
-from workers.topic_names import TopicNames
+from workers.kafka.topic_names import TopicNames
 
 pytestmark = pytest.mark.integration
 

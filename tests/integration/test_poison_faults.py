@@ -29,8 +29,8 @@ from tests.integration.poison_harness import (
     wait_for_keys,
 )
 from tests.integration.worker_harness import make_generations
-from workers import broker
-from workers.topics import TopicNames
+from workers.kafka.topics import TopicNames
+from workers.local import broker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -32,12 +32,12 @@ from tests.integration.worker_harness import (
     read_messages,
     write_jsonl,
 )
-from workers import checkpointing, worker
-from workers.config import WorkerSettings
-from workers.kafka_clients import PRODUCER_DEFAULTS, KafkaConnection
-from workers.output_limits import read_output_limits
-from workers.prometheus import PrometheusMetrics
-from workers.replay import replay
+from workers.io.replay import replay
+from workers.kafka.clients import PRODUCER_DEFAULTS, KafkaConnection
+from workers.runtime import checkpointing, worker
+from workers.runtime.output_limits import read_output_limits
+from workers.runtime.prometheus import PrometheusMetrics
+from workers.runtime.settings import WorkerSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -30,7 +30,7 @@ from tests.integration.worker_harness import (
     make_generations,
     stop,
 )
-from workers.replay import replay
+from workers.io.replay import replay
 
 pytestmark = pytest.mark.integration
 

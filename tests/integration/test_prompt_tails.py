@@ -17,7 +17,7 @@ from tests.integration.worker_harness import (
     wait_exit,
     worker_tokenizers,
 )
-from workers.replay import replay
+from workers.io.replay import replay
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

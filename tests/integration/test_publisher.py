@@ -30,8 +30,8 @@ from tests.integration.worker_harness import (
     worker_tokenizers,
 )
 from workers.formats.jsonl import jsonl_records
-from workers.kafka_clients import UndeliveredRecords
-from workers.publish import FailedRecord, Publisher, PublishFailed
+from workers.io.publish import FailedRecord, Publisher, PublishFailed
+from workers.kafka.clients import UndeliveredRecords
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """A broker stopped mid-publish (issue 31 item 1): the publisher gives the caller an error for
 what it could not deliver in time, or delivers it by retrying once the broker is back; never a
-silent loss. The broker is this test's own (`workers.broker` on a free port, stopped by pid): the
-session's broker is shared by every other test."""
+silent loss. The broker is this test's own (`workers.local.broker` on a free port, stopped by pid):
+the session's broker is shared by every other test."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tests.conftest import REPO_ROOT, missing_resource
 from tests.integration.conftest import WAIT_BOUND_S
 from tests.integration.worker_harness import read_topic
-from workers import broker
-from workers.kafka_clients import UndeliveredRecords
-from workers.publish import FailedRecord, Publisher
+from workers.io.publish import FailedRecord, Publisher
+from workers.kafka.clients import UndeliveredRecords
+from workers.local import broker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,9 +15,9 @@ from confluent_kafka import Producer
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.test_replay import detok
 from tests.integration.worker_harness import pipeline_topics, read_topic, start_worker, stop
-from workers.dead_letters import ATTEMPT_HEADER, redrive
-from workers.kafka_clients import UndeliveredRecords
-from workers.topic_names import TopicNames
+from workers.kafka.clients import UndeliveredRecords
+from workers.kafka.dead_letters import ATTEMPT_HEADER, redrive
+from workers.kafka.topic_names import TopicNames
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import unique_name
 from tests.integration.worker_harness import read_topic
-from workers.replay import replay
+from workers.io.replay import replay
 
 pytestmark = pytest.mark.integration
 

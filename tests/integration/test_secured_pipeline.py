@@ -38,12 +38,12 @@ from tests.integration.worker_harness import (
     worker_log,
     write_jsonl,
 )
-from workers import broker
-from workers.acls import role_grants
-from workers.kafka_clients import KafkaConnection, make_admin, make_consumer
-from workers.kafka_config import read_properties_file
-from workers.secure_broker import SecureBroker, client_properties, start_secure_broker
-from workers.topic_names import TopicNames
+from workers.kafka.acls import role_grants
+from workers.kafka.clients import KafkaConnection, make_admin, make_consumer
+from workers.kafka.config import read_properties_file
+from workers.kafka.topic_names import TopicNames
+from workers.local import broker
+from workers.local.secure_broker import SecureBroker, client_properties, start_secure_broker
 
 pytestmark = pytest.mark.integration
 

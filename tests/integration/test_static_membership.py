@@ -19,7 +19,7 @@ from tests.integration.worker_harness import (
     wait_exit,
     wait_until,
 )
-from workers.checkpointing import same_member_next_generation
+from workers.runtime.checkpointing import same_member_next_generation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -69,10 +69,10 @@ def test_group_metadata_names_the_same_member_under_each_new_generation(
     kafka_bootstrap: str, create_topic: Callable[..., str]
 ) -> None:
     """What the exactly-once strategy relies on to commit a transaction again after the group
-    refused it as sent under an old generation (workers/checkpointing.py, RECOMMIT_ATTEMPTS):
-    librdkafka's serialised group metadata of a member that stays in the group through a
-    rebalance differs from its earlier one in the generation alone, while a different member's
-    never passes as the same member."""
+    refused it as sent under an old generation (workers/runtime/checkpointing.py,
+    RECOMMIT_ATTEMPTS): librdkafka's serialised group metadata of a member that stays in the group
+    through a rebalance differs from its earlier one in the generation alone, while a different
+    member's never passes as the same member."""
     topic = create_topic("cgmd", partitions=2)
     group = unique_name("cgmd")
     config = {"partition.assignment.strategy": "cooperative-sticky"}

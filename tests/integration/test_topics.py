@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import WAIT_BOUND_S, free_port_pair, unique_name
-from workers.topics import (
+from workers.kafka.topics import (
     OUTPUT_MAX_MESSAGE_BYTES,
     TopicConfigurationMismatch,
     TopicNames,

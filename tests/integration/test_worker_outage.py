@@ -28,8 +28,8 @@ from tests.integration.worker_harness import (
     wait_until,
     worker_log,
 )
-from workers import broker
-from workers.checkpointing import AtLeastOnce, Deadline, FatalWorkerError
+from workers.local import broker
+from workers.runtime.checkpointing import AtLeastOnce, Deadline, FatalWorkerError
 
 pytestmark = pytest.mark.integration
 

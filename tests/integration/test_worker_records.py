@@ -25,7 +25,7 @@ from tests.integration.worker_harness import (
     read_topic,
     wait_exit,
 )
-from workers.topic_names import TopicNames
+from workers.kafka.topic_names import TopicNames
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

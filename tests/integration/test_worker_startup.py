@@ -11,11 +11,11 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.integration.conftest import WAIT_BOUND_S, free_port_pair, unique_name
 from tests.integration.worker_harness import pipeline_topics, start_worker, wait_exit
-from workers.changelog import RestoreInterrupted, read_latest
-from workers.kafka_clients import KafkaConnection
-from workers.output_limits import read_output_limits
-from workers.topic_names import TopicNames
-from workers.topics import OUTPUT_MAX_MESSAGE_BYTES, ensure_topics
+from workers.kafka.clients import KafkaConnection
+from workers.kafka.topic_names import TopicNames
+from workers.kafka.topics import OUTPUT_MAX_MESSAGE_BYTES, ensure_topics
+from workers.runtime.changelog import RestoreInterrupted, read_latest
+from workers.runtime.output_limits import read_output_limits
 
 pytestmark = pytest.mark.integration
 

@@ -27,10 +27,10 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.conftest import REPO_ROOT, real_tokenizer_path
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from workers.formats.jsonl import jsonl_records
-from workers.kafka_clients import KafkaConnection, as_connection
-from workers.replay import replay
-from workers.topic_names import TopicNames
-from workers.topics import ensure_topics
+from workers.io.replay import replay
+from workers.kafka.clients import KafkaConnection, as_connection
+from workers.kafka.topic_names import TopicNames
+from workers.kafka.topics import ensure_topics
 
 QWEN_MODEL_VOCAB = 151_936
 TEXTS = [

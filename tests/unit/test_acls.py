@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 
-from workers.acls import role_grants
 from workers.cli import main
-from workers.topic_names import TopicNames
+from workers.kafka.acls import role_grants
+from workers.kafka.topic_names import TopicNames
 
 NAMES = TopicNames.with_prefix("p")
 

@@ -1,11 +1,11 @@
-"""The local cluster's layout (workers/broker.py): one block of ports, one rendered config per
+"""The local cluster's layout (workers/local/broker.py): one block of ports, one rendered config per
 node with the replication a real cluster needs, capped for a smaller one. No JVM is started."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from workers import broker
+from workers.local import broker
 
 
 def properties(path: Path) -> dict[str, str]:

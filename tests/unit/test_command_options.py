@@ -11,11 +11,10 @@ import pytest
 from workers.commands.options import (
     add_tokenizer_options,
     add_topic_options,
-    tokenizer_arguments,
-    topic_arguments,
     topic_names_from,
 )
-from workers.topic_names import TopicNames
+from workers.kafka.topic_names import TopicNames
+from workers.local.child_flags import tokenizer_arguments, topic_arguments
 
 
 def parser_with(*adders) -> argparse.ArgumentParser:

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT
-from workers.config import WorkerSettings
-from workers.prometheus import DEFAULT_METRICS_PORT, PrometheusMetrics
+from workers.runtime.prometheus import DEFAULT_METRICS_PORT, PrometheusMetrics
+from workers.runtime.settings import WorkerSettings
 
 DEPLOY = REPO_ROOT / "deploy"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").rglob("*.json"))

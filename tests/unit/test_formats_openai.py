@@ -15,7 +15,7 @@ from tests.unit.small_tokenizers import UNKNOWN_ID, byte_level
 from tests.unit.test_run_command import detok_run, generation, read_jsonl
 from workers.formats.jsonl import jsonl_records
 from workers.formats.openai import completion_object, openai_batch_records
-from workers.replay import replay_events
+from workers.io.replay import replay_events
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""/healthz and /readyz (workers/health.py), served beside /metrics on one port."""
+"""/healthz and /readyz (workers/runtime/health.py), served beside /metrics on one port."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter
 
-from workers.health import Health, serve
+from workers.runtime.health import Health, serve
 
 
 def free_port() -> int:

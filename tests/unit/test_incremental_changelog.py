@@ -21,7 +21,7 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason
 from tests.unit.fake_records import FakeMessage
 from tests.unit.request_events import bytes_registry, finish, prompt, run, tokens
-from workers.changelog import PROCESSED_OFFSET_HEADER, apply_latest
+from workers.runtime.changelog import PROCESSED_OFFSET_HEADER, apply_latest
 
 WORDS = ["Hello", " world", " 你好", " 👋🏽", " é", "\n", " the", " sky"]
 

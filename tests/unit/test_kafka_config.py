@@ -16,18 +16,17 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from bench import bench_e2e
-from workers import msk_iam
-from workers.checkpointing import AtLeastOnce, Deadline, ExactlyOnce
 from workers.cli import build_parser, main
 from workers.commands.options import connection_from, kafka_config_arguments
-from workers.kafka_clients import (
+from workers.kafka import msk_iam
+from workers.kafka.clients import (
     PRODUCER_DEFAULTS,
     KafkaConnection,
     RefusalWatch,
     make_consumer,
     make_producer,
 )
-from workers.kafka_config import (
+from workers.kafka.config import (
     CONFIG_FILE_ENV,
     LEGACY_JSON_ENV,
     PROTECTED,
@@ -38,7 +37,8 @@ from workers.kafka_config import (
     parse_properties,
     redacted,
 )
-from workers.topic_names import TopicNames
+from workers.kafka.topic_names import TopicNames
+from workers.runtime.checkpointing import AtLeastOnce, Deadline, ExactlyOnce
 
 SECRET = "s3cr3t-Pa55word-never-printed"
 NOWHERE = "127.0.0.1:9"  # nothing listens: a command that got as far as connecting would fail
@@ -178,10 +178,14 @@ def test_secrets_are_redacted_wherever_a_connection_is_printed() -> None:
 
 
 def test_oauth_cb_names_a_function_that_is_imported_and_passed_as_the_callback() -> None:
-    properties = client_properties(None, ["oauth_cb=workers.msk_iam:oauth_cb"])
+    properties = client_properties(None, ["oauth_cb=workers.kafka.msk_iam:oauth_cb"])
     assert properties["oauth_cb"] is msk_iam.oauth_cb
     assert "msk_iam" in redacted(properties)["oauth_cb"]
-    for bad in ("oauth_cb=nope", "oauth_cb=no.such.module:f", "oauth_cb=workers.msk_iam:absent"):
+    for bad in (
+        "oauth_cb=nope",
+        "oauth_cb=no.such.module:f",
+        "oauth_cb=workers.kafka.msk_iam:absent",
+    ):
         with pytest.raises(KafkaConfigError, match="oauth_cb"):
             client_properties(None, [bad])
 

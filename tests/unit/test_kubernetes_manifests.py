@@ -23,9 +23,9 @@ from kubernetes_validate.utils import SchemaNotFoundError
 
 from tests.conftest import REPO_ROOT
 from workers.cli import build_parser
-from workers.config import WorkerSettings
-from workers.prometheus import DEFAULT_METRICS_PORT
-from workers.topic_names import TopicNames
+from workers.kafka.topic_names import TopicNames
+from workers.runtime.prometheus import DEFAULT_METRICS_PORT
+from workers.runtime.settings import WorkerSettings
 
 KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"
 # The release the manifests are written for (PodDisruptionBudget policy/v1, batch/v1 Jobs with
@@ -38,7 +38,7 @@ CUSTOM_RESOURCES = {
 }
 # Not an API object: kustomize's own file, read by `kubectl apply -k`.
 KUSTOMIZATION = "kustomization.yaml"
-# Read by the Kafka configuration (security's workers/kafka_config.py), not a WorkerSettings
+# Read by the Kafka configuration (security's workers/kafka/config.py), not a WorkerSettings
 # field of its own: the properties file every client reads.
 CONFIG_FILE_ENV = "DETOK_KAFKA_CONFIG_FILE"
 

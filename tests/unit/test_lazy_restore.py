@@ -32,7 +32,7 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.fast_events import ParsedEvent
 from tests.unit.fake_records import FakeMessage
 from tests.unit.request_events import bytes_registry, finish, origin, prompt, tokens
-from workers.changelog import PROCESSED_OFFSET_HEADER, apply_latest
+from workers.runtime.changelog import PROCESSED_OFFSET_HEADER, apply_latest
 
 WORDS = ["Hello", " world", " 你好", " 👋🏽", " é", "\n", "\xe4", "\xbd"]
 REQUESTS = ["a", "b", "c"]

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.processor import BatchResult
 from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord
-from workers.prometheus import EVENT_TYPES, PrometheusMetrics
+from workers.runtime.prometheus import EVENT_TYPES, PrometheusMetrics
 
 MODELS = ("gpt2", "qwen2")
 # Bounds on label values per series, from the Prometheus instrumentation guide: keep labelled

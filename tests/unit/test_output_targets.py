@@ -18,7 +18,7 @@ from schemas.events import Completion
 from tests.unit.small_tokenizers import byte_level
 from tests.unit.test_run_command import detok_run, generation, read_jsonl
 from workers.formats.parquet import read_completions
-from workers.replay import write_completions
+from workers.io.replay import write_completions
 
 # A bound on the wait for the reader of a FIFO, never a timing under test.
 READER_BOUND_S = 60.0

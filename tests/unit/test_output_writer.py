@@ -12,12 +12,13 @@ from confluent_kafka import KafkaError, KafkaException
 from pipeline.processor import DeadLetter
 from schemas.events import DeadLetterReason
 from tests.unit.fake_records import FakeMessage
-from workers.checkpointing import Output
-from workers.kafka_origin import KafkaOrigin
-from workers.output_limits import RECORD_OVERHEAD_BYTES, OutputLimits
-from workers.output_writer import OutputWriter
-from workers.prometheus import PrometheusMetrics
-from workers.topic_names import TopicNames
+from workers.kafka.origin import KafkaOrigin
+from workers.kafka.topic_names import TopicNames
+from workers.kafka.topics import RECORD_OVERHEAD_BYTES
+from workers.runtime.checkpointing import Output
+from workers.runtime.output_limits import OutputLimits
+from workers.runtime.output_writer import OutputWriter
+from workers.runtime.prometheus import PrometheusMetrics
 
 NAMES = TopicNames()
 LIMIT = 4096

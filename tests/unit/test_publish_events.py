@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from pipeline.decode_state import PROMPT_CONTEXT_IDS
 from schemas.validation import parse_event
-from workers.output_limits import RECORD_OVERHEAD_BYTES
-from workers.publish.events import RequestEvents, RequestStateError
+from workers.io.publish.events import RequestEvents, RequestStateError
+from workers.kafka.topics import RECORD_OVERHEAD_BYTES
 
 
 class Records:

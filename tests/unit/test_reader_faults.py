@@ -24,7 +24,7 @@ from workers.formats.base import Destination
 from workers.formats.jsonl import jsonl_records
 from workers.formats.openai import openai_batch_records
 from workers.formats.parquet import ParquetCompletions, parquet_records, read_completions
-from workers.replay import replay_events
+from workers.io.replay import replay_events
 
 IDS = pa.list_(pa.uint32())
 

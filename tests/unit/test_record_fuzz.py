@@ -1,8 +1,8 @@
 """Generated records through the worker's real record handling and restore: nothing raises out.
 
-The per-record rule (workers/record_handling.py, workers/changelog.py): any record, however
-built (deep nesting, huge arrays, odd keys and headers, corrupt snapshots), either becomes an
-event or a dead letter; the batch it came in still completes, and every dead letter can be
+The per-record rule (workers/runtime/record_handling.py, workers/runtime/changelog.py): any record,
+however built (deep nesting, huge arrays, odd keys and headers, corrupt snapshots), either becomes
+an event or a dead letter; the batch it came in still completes, and every dead letter can be
 written with its original bytes and error headers.
 """
 
@@ -21,10 +21,10 @@ from schemas.events import DeadLetterReason
 from schemas.validation import parse_event
 from tests.unit.fake_records import FakeMessage
 from tests.unit.small_tokenizers import byte_level
-from workers.changelog import PROCESSED_OFFSET_HEADER, apply_latest
-from workers.dead_letters import dead_letter_headers
-from workers.kafka_origin import KafkaOrigin
-from workers.record_handling import handle_batch
+from workers.kafka.dead_letters import dead_letter_headers
+from workers.kafka.origin import KafkaOrigin
+from workers.runtime.changelog import PROCESSED_OFFSET_HEADER, apply_latest
+from workers.runtime.record_handling import handle_batch
 
 REQUEST_IDS = ["r0", "r1", "r2"]
 

@@ -13,9 +13,9 @@ from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import DeadLetterReason
 from tests.unit.fake_records import FakeMessage
 from tests.unit.small_tokenizers import byte_level
-from workers.dead_letters import ATTEMPT_HEADER, dead_letter_headers
-from workers.kafka_origin import KafkaOrigin
-from workers.record_handling import handle_batch
+from workers.kafka.dead_letters import ATTEMPT_HEADER, dead_letter_headers
+from workers.kafka.origin import KafkaOrigin
+from workers.runtime.record_handling import handle_batch
 
 NOW = 1_700_000_000.0
 

@@ -15,8 +15,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from workers.commands import failures
-from workers.kafka_clients import KafkaConnection, RefusalWatch, kafka_error_text
-from workers.kafka_config import REDACTED, RedactingFilter, is_secret, redact_text, redacted
+from workers.kafka.clients import KafkaConnection, RefusalWatch, kafka_error_text
+from workers.kafka.config import REDACTED, RedactingFilter, is_secret, redact_text, redacted
 
 OAUTH_CONFIG = "principal=bob lifeSeconds=x9Secret7 scope=s3cr3tScope"
 # librdkafka properties that are not secrets: none may be hidden from the connection line.

@@ -18,9 +18,9 @@ import pytest
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from workers.kafka_clients import KafkaConnection, cluster_metadata, make_admin
-from workers.output_limits import read_output_limits
-from workers.topic_names import TopicNames
+from workers.kafka.clients import KafkaConnection, cluster_metadata, make_admin
+from workers.kafka.topic_names import TopicNames
+from workers.runtime.output_limits import read_output_limits
 
 BOUND_S = 30.0  # the refusal comes within a second; this only turns a hang into a failure
 

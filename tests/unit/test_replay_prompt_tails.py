@@ -12,7 +12,7 @@ import pytest
 from pipeline.decode_stream import PROMPT_CONTEXT_IDS
 from schemas.validation import parse_event
 from workers.formats.jsonl import jsonl_records
-from workers.replay import replay_events
+from workers.io.replay import replay_events
 
 
 def line(request_id: str, prompt_ids: int, **extra: object) -> bytes:

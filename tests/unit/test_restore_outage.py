@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from workers import changelog
-from workers.changelog import RestoreInterrupted, read_latest
-from workers.kafka_clients import KafkaConnection
+from workers.kafka.clients import KafkaConnection
+from workers.runtime import changelog
+from workers.runtime.changelog import RestoreInterrupted, read_latest
 
 NOTHING_LISTENS = KafkaConnection("127.0.0.1:9")
 

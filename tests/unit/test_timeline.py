@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from workers.timeline import Timeline, process_started_at
+from workers.runtime.timeline import Timeline, process_started_at
 
 
 def test_process_start_is_before_now_and_after_boot() -> None:

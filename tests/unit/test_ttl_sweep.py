@@ -12,7 +12,12 @@ from pipeline.processor import RequestProcessor
 from pipeline.results import EventOrigin
 from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.unit.request_events import bytes_registry, finish, prompt, tokens
-from workers.expiry_sweep import EXPIRE_INTERVAL_S, EXPIRE_LIMIT, SWEEP_SPACING, next_sweep_interval
+from workers.runtime.expiry_sweep import (
+    EXPIRE_INTERVAL_S,
+    EXPIRE_LIMIT,
+    SWEEP_SPACING,
+    next_sweep_interval,
+)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,9 @@ from prometheus_client import generate_latest
 from pipeline.tokenizer_registry import TokenizerRegistry
 from tests.unit.fake_records import FakeMessage
 from tests.unit.small_tokenizers import byte_level
-from workers import changelog, checkpointing
-from workers.checkpointing import (
+from workers.kafka.topic_names import TopicNames
+from workers.runtime import changelog, checkpointing
+from workers.runtime.checkpointing import (
     AtLeastOnce,
     CommitOutcome,
     Deadline,
@@ -37,13 +38,12 @@ from workers.checkpointing import (
     Output,
     ProducerFailed,
 )
-from workers.config import WorkerSettings
-from workers.membership import GROUP_THREAD_WAKE_S, membership_settings
-from workers.output_limits import OutputLimits
-from workers.output_writer import OutputWriter
-from workers.prometheus import PrometheusMetrics
-from workers.topic_names import TopicNames
-from workers.worker import Worker
+from workers.runtime.membership import GROUP_THREAD_WAKE_S, membership_settings
+from workers.runtime.output_limits import OutputLimits
+from workers.runtime.output_writer import OutputWriter
+from workers.runtime.prometheus import PrometheusMetrics
+from workers.runtime.settings import WorkerSettings
+from workers.runtime.worker import Worker
 
 
 class RefusingConsumer:
@@ -804,7 +804,7 @@ def test_the_loop_wakes_the_group_thread_once_per_notice_interval(worker, monkey
     assignment (a request that thread serves) once per REBALANCE_NOTICE_MS, however many steps
     run in between, with partitions or without."""
     clock = [1000.0]
-    monkeypatch.setattr("workers.worker_loop.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("workers.runtime.worker_loop.time.monotonic", lambda: clock[0])
     monkeypatch.setattr(
         worker.membership, "restore", lambda: worker.ownership.restoring.clear() or set()
     )

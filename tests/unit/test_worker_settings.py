@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from workers.cli import build_parser
 from workers.commands.worker import settings_from_args
-from workers.kafka_config import KafkaConfigError
+from workers.kafka.config import KafkaConfigError
 
 
 def parse(*argv: str):

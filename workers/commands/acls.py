@@ -1,4 +1,4 @@
-"""`detok acls grant`: the least-privilege ACLs of one role (see `workers.acls`)."""
+"""`detok acls grant`: the least-privilege ACLs of one role (see `workers.kafka.acls`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import sys
 
 from pydantic import ValidationError
 
-from workers.acls import ADMIN_TIMEOUT_S, DEFAULT_GROUPS, ROLES, AclError, grant, role_grants
 from workers.commands import failures
 from workers.commands.options import (
     add_connection_options,
@@ -16,6 +15,7 @@ from workers.commands.options import (
     positive_float,
     topic_names_from,
 )
+from workers.kafka.acls import ADMIN_TIMEOUT_S, DEFAULT_GROUPS, ROLES, AclError, grant, role_grants
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

@@ -1,4 +1,4 @@
-"""`detok broker start|stop|status`: the local Kafka broker of `workers.broker`, one node by
+"""`detok broker start|stop|status`: the local Kafka broker of `workers.local.broker`, one node by
 default or a cluster with `--brokers N` (a data directory holds one or the other)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from workers.broker import (
+from workers.commands.options import positive_int
+from workers.local.broker import (
     DEFAULT_DATA_DIR,
     DEFAULT_PORT,
     LOOPBACK,
@@ -26,8 +27,7 @@ from workers.broker import (
     stop_cluster,
     stop_node,
 )
-from workers.commands.options import positive_int
-from workers.secure_broker import probe_properties, start_secure_broker
+from workers.local.secure_broker import probe_properties, start_secure_broker
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -60,7 +60,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         default="plaintext",
         help="sasl-ssl (one broker only): TLS + SCRAM users admin/worker/reader/producer, ACLs "
         "enforced; writes <user>.properties client configs into the data dir "
-        "(see workers/secure_broker.py)",
+        "(see workers/local/secure_broker.py)",
     )
     start.set_defaults(func=_cli_start)
 

@@ -19,7 +19,7 @@ from workers.commands.options import (
 )
 from workers.formats import OUTPUT_FORMATS, format_of, require
 from workers.formats.base import FormatError
-from workers.replay import collect, write_completions
+from workers.io.replay import collect, write_completions
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

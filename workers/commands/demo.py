@@ -16,7 +16,7 @@ from workers.commands.options import (
     kafka_config_arguments,
     positive_int,
 )
-from workers.demo import (
+from workers.local.demo import (
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SHARED_DIR,
     DemoError,
@@ -25,7 +25,7 @@ from workers.demo import (
     run,
     tokenizer_paths,
 )
-from workers.prometheus import DEFAULT_METRICS_PORT
+from workers.runtime.prometheus import DEFAULT_METRICS_PORT
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

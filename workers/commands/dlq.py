@@ -12,7 +12,7 @@ from workers.commands.options import (
     connection_from,
     topic_names_from,
 )
-from workers.dead_letters import redrive
+from workers.kafka.dead_letters import redrive
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

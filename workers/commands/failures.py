@@ -10,7 +10,7 @@ import sys
 
 from confluent_kafka import KafkaException
 
-from workers.kafka_clients import (
+from workers.kafka.clients import (
     KafkaConnection,
     KafkaUnavailable,
     NotAuthorized,
@@ -18,7 +18,7 @@ from workers.kafka_clients import (
     UnknownTopic,
     kafka_error_text,
 )
-from workers.kafka_config import KafkaConfigError
+from workers.kafka.config import KafkaConfigError
 
 KAFKA_FAILURES = (
     KafkaUnavailable,

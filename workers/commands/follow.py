@@ -14,7 +14,7 @@ from workers.commands.options import (
     positive_float,
     topic_names_from,
 )
-from workers.follow import follow
+from workers.io.follow import follow
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

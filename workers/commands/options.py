@@ -1,21 +1,22 @@
 """Flags shared by several commands, declared once: connection, topics, tokenizers, counts.
 
 Each `add_*` function declares a group of flags; its partner (`connection_from`,
-`topic_names_from`, `registry_from`) turns the parsed flags into the library object. The demo and
-bench start `detok worker` processes with the same flags, rendered by `topic_arguments` and
-`tokenizer_arguments`, so a flag's spelling lives only here.
+`topic_names_from`, `registry_from`) turns the parsed flags into the library object. The demo starts
+`detok worker` and `detok run` processes with these flags, rendered by
+`workers/local/child_flags.py` (tests/unit/test_command_options.py parses its renderings with
+the declarations here, so the two cannot drift).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pipeline.tokenizer_registry import TokenizerRegistry, parse_vocab_size_specs
-from workers.kafka_clients import BOOTSTRAP_ENV, KafkaConnection, configured_connection
-from workers.kafka_config import CONFIG_FILE_ENV
-from workers.topic_names import TopicNames
+from workers.kafka.clients import BOOTSTRAP_ENV, KafkaConnection, configured_connection
+from workers.kafka.config import CONFIG_FILE_ENV
+from workers.kafka.topic_names import TopicNames
 
 ROLES = tuple(TopicNames.model_fields)
 # Spellings accepted besides `--{role}-topic`, because earlier releases documented them.
@@ -110,14 +111,6 @@ def topic_names_from(args: argparse.Namespace) -> TopicNames:
     return TopicNames(**{role: name for role, name in given.items() if name is not None})
 
 
-def topic_arguments(names: TopicNames) -> list[str]:
-    """The `--{role}-topic` flags that name every topic of `names`, for a child command."""
-    arguments = []
-    for role, name in names.model_dump().items():
-        arguments += [f"--{role.replace('_', '-')}-topic", name]
-    return arguments
-
-
 def add_tokenizer_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """`--tokenizer MODEL=PATH` and `--model-vocab-size MODEL=N`, repeatable."""
     parser.add_argument(
@@ -145,18 +138,6 @@ def registry_from(args: argparse.Namespace) -> TokenizerRegistry:
     return TokenizerRegistry.from_specs(
         args.tokenizers, parse_vocab_size_specs(args.model_vocab_sizes)
     )
-
-
-def tokenizer_arguments(
-    paths: Mapping[str, Path], model_vocab_sizes: Mapping[str, int] | None = None
-) -> list[str]:
-    """The `--tokenizer` and `--model-vocab-size` flags for a child command."""
-    arguments = []
-    for model, path in paths.items():
-        arguments += ["--tokenizer", f"{model}={path}"]
-    for model, size in (model_vocab_sizes or {}).items():
-        arguments += ["--model-vocab-size", f"{model}={size}"]
-    return arguments
 
 
 def positive_int(text: str) -> int:

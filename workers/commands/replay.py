@@ -21,7 +21,7 @@ from workers.commands.options import (
 )
 from workers.formats import INPUT_FORMATS
 from workers.formats.base import FormatError
-from workers.replay import replay
+from workers.io.replay import replay
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

@@ -15,7 +15,7 @@ from workers.commands.options import (
     positive_int,
     topic_names_from,
 )
-from workers.topics import DEFAULT_PARTITIONS, TopicConfigurationMismatch, ensure_topics
+from workers.kafka.topics import DEFAULT_PARTITIONS, TopicConfigurationMismatch, ensure_topics
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

@@ -27,14 +27,14 @@ from workers.commands.options import (
     add_topic_options,
     topic_names_from,
 )
-from workers.config import WorkerSettings, settings_problem
-from workers.health import Health
-from workers.kafka_config import KafkaConfigError, redact_logs
-from workers.output_limits import TopicLimitError, TopicsUnavailable, read_output_limits
-from workers.process_policy import StopRequest, tune_garbage_collector
-from workers.prometheus import PrometheusMetrics
-from workers.topic_names import TopicNames
-from workers.worker import Worker
+from workers.kafka.config import KafkaConfigError, redact_logs
+from workers.kafka.topic_names import TopicNames
+from workers.runtime.health import Health
+from workers.runtime.output_limits import TopicLimitError, TopicsUnavailable, read_output_limits
+from workers.runtime.process_policy import StopRequest, tune_garbage_collector
+from workers.runtime.prometheus import PrometheusMetrics
+from workers.runtime.settings import WorkerSettings, settings_problem
+from workers.runtime.worker import Worker
 
 log = logging.getLogger(__name__)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
