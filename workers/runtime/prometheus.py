@@ -53,6 +53,15 @@ class PrometheusMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         models = list(models)
+        self._declare_record_counters(r)
+        self._declare_commit_metrics(r)
+        self._declare_state_metrics(r)
+        self.build_info = Info("detok_build", "Version and served models", registry=r)
+        self.build_info.info({"version": _package_version(), "models": ",".join(sorted(models))})
+        self._label_known_values(models)
+
+    def _declare_record_counters(self, r: CollectorRegistry) -> None:
+        """What came in and what went out: events, records, tokens, outputs, dead letters."""
         self.events_consumed = Counter(
             "detok_events_consumed", "Input events parsed, by type", ["type"], registry=r
         )
@@ -91,6 +100,9 @@ class PrometheusMetrics:
             "Input events consumed without output after a stop string ended their request",
             registry=r,
         )
+
+    def _declare_commit_metrics(self, r: CollectorRegistry) -> None:
+        """Transactions and commits: outcomes, aborts, replacements, stalls, durations."""
         self.transactions = Counter(
             "detok_transactions", "Commits, by outcome", ["outcome"], registry=r
         )
@@ -128,6 +140,9 @@ class PrometheusMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _declare_state_metrics(self, r: CollectorRegistry) -> None:
+        """Batches, live state, restores, rebalances and lag."""
         self.batch_size = Histogram(
             "detok_batch_events",
             "Valid events per decoded batch",
@@ -172,8 +187,10 @@ class PrometheusMetrics:
             "When a record was last consumed (unix time)",
             registry=r,
         )
-        self.build_info = Info("detok_build", "Version and served models", registry=r)
-        self.build_info.info({"version": _package_version(), "models": ",".join(sorted(models))})
+
+    def _label_known_values(self, models: list[str]) -> None:
+        """Every known label value exists from the start, so a dashboard's rate() over a
+        counter that has not moved yet reads 0, not 'no data'."""
         for event_type in EVENT_TYPES:
             self.events_consumed.labels(type=event_type)
         for reason in DeadLetterReason:
