@@ -578,7 +578,8 @@ class RequestProcessor:
         taken = 0
         for held in events:
             event = held.event
-            if type(event) is not ParsedTokens or taken >= pushed:
+            # An event without ids owes no logprobs (`_check_logprobs` passes it over too).
+            if type(event) is not ParsedTokens or not event.token_ids or taken >= pushed:
                 continue
             count = min(len(event.token_ids), pushed - taken)
             state.lp_ids += event.token_ids[:count]
