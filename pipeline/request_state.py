@@ -41,8 +41,15 @@ from schemas.validation import Rejection, parse_event
 # is version 2 with no segments. The format before it (a bare state dict, no version) is refused
 # like any other unknown version; a version 1 reader refuses version 2 by its number rather than
 # restore a text without its segments.
-SNAPSHOT_VERSION = 2
-READABLE_VERSIONS = (1, SNAPSHOT_VERSION)
+#
+# Version 3 is version 2 but for a request with logprobs: each of its segments is a
+# `LogprobSegment` (the text and the logprob columns it gained since the previous one) instead
+# of bare text, so that the columns, like the text, are written once rather than with every head
+# (issue 32 item 6: 8,000 tokens with top-5 wrote 25.5 MB). A version 2 head with logprobs
+# (its columns all in the head, its segments bare text) is still read; a version 2 reader
+# refuses version 3 by its number rather than read a framed segment as text.
+SNAPSHOT_VERSION = 3
+READABLE_VERSIONS = (1, 2, SNAPSHOT_VERSION)
 
 Seq = Annotated[int, msgspec.Meta(ge=1)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -186,6 +193,7 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     lp_built: list[Any] | tuple[()] = ()  # `TokenLogprob`s
     stop_matcher: Any = None  # `stop_strings.StopMatcher` of `stop`, found on first use
     logged_parts: int = 0  # leading `text_parts` already written as changelog segments
+    lp_logged: int = 0  # leading logprob column entries already written as changelog segments
 
     def hold(self, seq: int, event: HeldEvent) -> dict[int, HeldEvent]:
         """Hold an event that came before `seq - 1`; the request's own held events."""
@@ -324,8 +332,15 @@ def encode_snapshot(state: RequestState) -> bytes:
 
 
 def _encode_active(
-    state: ActiveRequest, *, segments: int, text: str, omit_defaults: bool = False
+    state: ActiveRequest,
+    *,
+    segments: int,
+    text: str,
+    omit_defaults: bool = False,
+    lp_from: int = 0,
 ) -> bytes:
+    """The value of an active request whose `segments` segments hold what comes before `text`
+    and before the logprob entries from `lp_from` on."""
     record = {
         "kind": "active",
         **_snapshot_fields(state),
@@ -334,9 +349,29 @@ def _encode_active(
         "text": text,
         "held": [held_record(state.held[seq].origin) for seq in sorted(state.held)],
     }
+    if lp_from:
+        for name in _COLUMNS:
+            record[name] = record[name][lp_from:] or ()
     if omit_defaults:
         record = {k: v for k, v in record.items() if not _is_default(k, v)}
     return encode_json({"version": SNAPSHOT_VERSION, "state": record})
+
+
+_COLUMNS = ("lp_ids", "lp_values", "lp_tops", "lp_offsets")
+
+
+class LogprobSegment(msgspec.Struct, array_like=True):
+    """A version 3 segment: the text and the logprob column entries a request gained since its
+    previous segment (`pipeline.logprobs` for the columns)."""
+
+    text: str
+    ids: list[int]
+    values: list[float]
+    tops: list[list[tuple[int, float]]]
+    offsets: list[Count]
+
+
+_LOGPROB_SEGMENT_DECODER = msgspec.json.Decoder(LogprobSegment)
 
 
 _RECORD_DEFAULTS = {
@@ -393,16 +428,40 @@ def encode_head(state: ActiveRequest) -> tuple[tuple[int, bytes] | None, bytes]:
     """
     parts = state.text_parts
     logged = state.logged_parts
-    segment = None
+    fresh = None
     if logged < len(parts):
         fresh = parts[logged] if len(parts) - logged == 1 else "".join(parts[logged:])
         parts[logged:] = [fresh]
         state.logged_parts = len(parts)
-        segment = (state.text_segments, fresh.encode())
+    value = None
+    if state.logprobs:
+        first = state.lp_logged
+        if fresh is not None or first < len(state.lp_offsets):
+            value = encode_json(
+                LogprobSegment(
+                    fresh or "",
+                    state.lp_ids[first:],
+                    state.lp_values[first:],
+                    state.lp_tops[first:],
+                    state.lp_offsets[first:],
+                )
+            )
+            state.lp_logged = len(state.lp_offsets)
+    elif fresh is not None:
+        value = fresh.encode()
+    segment = None
+    if value is not None:
+        segment = (state.text_segments, value)
         state.text_segments += 1
     # Fields at their defaults are left out: the head is written at every commit (and a
     # million open requests are a million heads to restore), and most of them are.
-    head = _encode_active(state, segments=state.text_segments, text="", omit_defaults=True)
+    head = _encode_active(
+        state,
+        segments=state.text_segments,
+        text="",
+        omit_defaults=True,
+        lp_from=state.lp_logged,
+    )
     return segment, head
 
 
@@ -430,7 +489,8 @@ def decode_snapshot(
         return record
     if snapshot.version == 1:
         record.text_segments = 0  # version 1 had no segments: its text is all inline
-    return _active_request(request_id, record, tokenizer_of, segments or {})
+    framed = snapshot.version >= 3 and bool(record.logprobs)
+    return _active_request(request_id, record, tokenizer_of, segments or {}, framed=framed)
 
 
 def _active_request(
@@ -439,9 +499,12 @@ def _active_request(
     tokenizer_of: Callable[[str], Tokenizer],
     segments: Mapping[int, bytes],
     logged: str | None = None,
+    *,
+    framed: bool = False,
 ) -> ActiveRequest:
     """The live request of a decoded head: `logged` is the text of its segments when already
-    joined (a `RestoredRequest`'s), else it is read from `segments`."""
+    joined (a `RestoredRequest`'s), else it is read from `segments` (`LogprobSegment`s when
+    `framed`: their columns come before the head's own)."""
     try:
         tokenizer = tokenizer_of(record.model)
     except LookupError as error:
@@ -454,11 +517,19 @@ def _active_request(
             f"{type(error).__name__}: {error}"
         ) from error
     held = _held_events(request_id, record)
-    if logged is None:
+    fields = _active_fields(record)
+    lp_logged = 0
+    if framed:
+        logged, columns = _logprob_segments(request_id, record, segments)
+        lp_logged = len(columns[-1])
+        if lp_logged:
+            fields.update(zip(_COLUMNS, columns, strict=True))
+    elif logged is None:
         logged = _segments_text(request_id, record.text_segments, segments)
     text = logged + record.text
     return ActiveRequest(
-        **_active_fields(record),
+        **fields,
+        lp_logged=lp_logged,
         stream=stream,
         text_parts=[p for p in (logged, record.text) if p] or (),
         logged_parts=1 if logged else 0,
@@ -534,9 +605,10 @@ def restore_state(
     if type(record) is not _CheckedActive and snapshot.version in READABLE_VERSIONS:
         return record  # a marker, as `decode_snapshot` returns it
     if (
-        snapshot.version != SNAPSHOT_VERSION
+        snapshot.version not in (2, SNAPSHOT_VERSION)
         or type(record) is not _CheckedActive
         or record.held
+        or record.logprobs  # its segments carry columns: `decode_snapshot` joins them
         or not snapshot_is_consistent(record.stream)
     ):
         return decode_snapshot(request_id, data, tokenizer_of, segments)
@@ -571,6 +643,36 @@ def _segments_text(request_id: str, count: int, segments: Mapping[int, bytes]) -
     except UnicodeDecodeError as error:
         message = f"request {request_id!r}: a text segment is not UTF-8: {error}"
         raise SnapshotError(message) from None
+
+
+def _logprob_segments(
+    request_id: str, record: ActiveRecord, segments: Mapping[int, bytes]
+) -> tuple[str, tuple[list, list, list, list]]:
+    """The text and the logprob columns of a version 3 head's segments, then its own columns."""
+    texts: list[str] = []
+    columns: tuple[list, list, list, list] = ([], [], [], [])
+    for number in range(record.text_segments):
+        value = segments.get(number)
+        if value is None:
+            raise SnapshotError(
+                f"request {request_id!r}: text segment {number} of {record.text_segments} "
+                f"is missing"
+            )
+        try:
+            segment = _LOGPROB_SEGMENT_DECODER.decode(value)
+        except msgspec.DecodeError as error:
+            raise SnapshotError(
+                f"request {request_id!r}: logprob segment {number}: {error}"
+            ) from None
+        texts.append(segment.text)
+        parts = (segment.ids, segment.values, segment.tops, segment.offsets)
+        if len({len(part) for part in parts}) != 1:
+            raise SnapshotError(f"request {request_id!r}: logprob segment {number}: ragged")
+        for column, part in zip(columns, parts, strict=True):
+            column += part
+    for column, name in zip(columns, _COLUMNS, strict=True):
+        column += getattr(record, name)
+    return "".join(texts), columns
 
 
 def _version_of(data: bytes) -> int | None:
