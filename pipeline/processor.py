@@ -42,6 +42,7 @@ from pipeline.request_state import (
     HeldEvent,
     RequestState,
     RestoredRequest,
+    active_head_fields,
     encode_head,
     encode_snapshot,
     json_prefix,
@@ -1193,18 +1194,58 @@ class RequestProcessor:
         return state
 
     def mark_failed(
-        self, request_id: str, reason: DeadLetterReason, now: float | None = None
-    ) -> None:
-        """Record a request as failed (its state could not be restored): its later events are
-        dead-lettered `request_already_failed` instead of being taken for a new request's."""
+        self,
+        request_id: str,
+        reason: DeadLetterReason,
+        now: float | None = None,
+        message: str | None = None,
+    ) -> BatchResult:
+        """Fail a request from outside a batch (its events raised, its snapshot cannot be
+        encoded or written, its state cannot be restored): its later events are dead-lettered
+        `request_already_failed` instead of being taken for a new request's.
+
+        A live request ends as every failure ends one (`_end_failed`): its held events
+        dead-lettered, its failed completion with the text so far. The caller publishes the
+        result with the failed marker, in the same commit: a marker written without its
+        completion left a request that never completed (issue 32 item 1).
+        """
+        result = BatchResult()
+        result.touched.add(request_id)
         state = self.state(request_id)
         if type(state) is ActiveRequest:
-            self._retire(request_id, state)
+            message = message or f"request failed ({reason.value})"
+            self._end_failed(request_id, state, reason, message, result)
+            return result
         self.requests[request_id] = FailedRequest(
             model=None,
             reason=reason,
             last_event_at=time.time() if now is None else now,
         )
+        return result
+
+    def fail_restore(self, request_id: str, value: bytes | None, message: str) -> BatchResult:
+        """A changelog record that cannot be restored: the request is marked failed, and when the
+        record is recognisably a live request's head, its failed completion is published (with
+        no text: the text could not be restored either). A marker that does not restore
+        publishes nothing: its request already had its completion."""
+        result = self.mark_failed(request_id, DeadLetterReason.RESTORE_FAILED, message=message)
+        head = active_head_fields(value)
+        if head is None or result.completions:
+            return result
+        try:
+            completion = Completion(
+                request_id=request_id,
+                model=head.model,
+                text="",
+                status="failed",
+                prompt_tokens=head.prompt_tokens,
+                generated_tokens=head.generated_tokens,
+                error=message,
+            )
+        except ValueError:  # a model name no completion can carry: the dead letter tells
+            return result
+        result.completions.append(completion)
+        return result
 
     def _tokenizer_of(self, model: str) -> Tokenizer:
         return self.registry.get(model).tokenizer

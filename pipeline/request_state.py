@@ -645,6 +645,34 @@ def _segments_text(request_id: str, count: int, segments: Mapping[int, bytes]) -
         raise SnapshotError(message) from None
 
 
+class _HeadFields(msgspec.Struct):
+    """What a failed restore can still read of an active head (`active_head_fields`)."""
+
+    kind: str
+    model: str = ""
+    prompt_tokens: Count = 0
+    generated_tokens: Count = 0
+
+
+class _HeadEnvelope(msgspec.Struct):
+    state: _HeadFields
+
+
+_HEAD_FIELDS_DECODER = msgspec.json.Decoder(_HeadEnvelope)
+
+
+def active_head_fields(value: bytes | None) -> _HeadFields | None:
+    """The model and counts of a changelog value that is an active request's head, read
+    leniently (the value failed to restore); None for anything else, a marker included."""
+    if value is None:
+        return None
+    try:
+        fields = _HEAD_FIELDS_DECODER.decode(value).state
+    except (msgspec.DecodeError, TypeError):
+        return None
+    return fields if fields.kind == "active" and fields.model else None
+
+
 def _logprob_segments(
     request_id: str, record: ActiveRecord, segments: Mapping[int, bytes]
 ) -> tuple[str, tuple[list, list, list, list]]:

@@ -729,7 +729,9 @@ class Worker:
             return self.processor.changelog_records(request_id)
         except Exception as error:
             log.warning("snapshot of request %s failed: %r", request_id, error)
-            self.processor.mark_failed(request_id, DeadLetterReason.UNEXPECTED_ERROR)
+            self.writer.write_failure(
+                self.processor.mark_failed(request_id, DeadLetterReason.UNEXPECTED_ERROR)
+            )
             letter = unexpected(error, None, request_id, None)
             self.writer.write_stand_in(letter, keep_original=True)
             return self.processor.changelog_records(request_id)
@@ -907,6 +909,7 @@ class Worker:
         restored = apply_latest(latest, self.processor, committed_input)
         del latest  # a million records, for a million open requests: freed before going on
         self.owners.update(restored.owners)
+        self._emit(restored.failed_requests)  # failed completions of heads that did not restore
         for letter in restored.failed:
             self._dead_letter(letter)
             if letter.request_id is not None:

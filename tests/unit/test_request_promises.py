@@ -4,12 +4,29 @@ large headers, clocks that lag the wall clock)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.processor import RequestProcessor
 from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import DeadLetterReason
 from schemas.fast_events import ParsedPrompt, ParsedTokens
-from tests.unit.request_events import bytes_registry, finish, ids, reasons, run
+from tests.unit.fake_records import FakeMessage
+from tests.unit.request_events import (
+    bytes_registry,
+    finish,
+    ids,
+    origin,
+    reasons,
+    run,
+    run_records,
+    tokens,
+)
+from tests.unit.test_output_writer import LIMIT, NAMES, RecordingProducer, writer
+from workers.changelog import PROCESSED_OFFSET_HEADER, apply_latest
+from workers.checkpointing import Output
+from workers.record_handling import process_guarded
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +68,97 @@ def test_an_empty_tokens_event_without_logprobs_is_no_fault(registry, first: boo
     (completion,) = result.completions
     assert completion.status == "ok" and completion.text == "abcd"
     assert [e.text for e in completion.logprobs.entries()] == list("abcd")
+
+
+# -- item 1: every path that fails a request publishes its failed completion --------------------
+
+
+def stop_prompt(request_id: str = "r") -> ParsedPrompt:
+    return ParsedPrompt(
+        request_id=request_id, model="bytes", prompt_token_ids=ids("Hi"), stop=["STOP"]
+    )
+
+
+def test_mark_failed_publishes_one_failed_completion_with_the_text_so_far(registry) -> None:
+    processor = RequestProcessor(registry)
+    # "ST" is held back (it may begin "STOP"), seq 3 is held (seq 2 missing).
+    run_records(processor, stop_prompt(), tokens(1, "Hello ST"), tokens(3, "x"))
+    failed = processor.mark_failed("r", DeadLetterReason.OUTPUT_TOO_LARGE, message="too big")
+    (completion,) = failed.completions
+    assert (completion.status, completion.text, completion.error) == (
+        "failed",
+        "Hello ST",
+        "too big",
+    )
+    assert [d.text for d in failed.deltas] == ["ST"] and failed.deltas[0].final
+    assert reasons(failed) == ["request_already_failed"]  # the held seq 3: one fate
+    assert failed.touched == {"r"}
+    again = processor.mark_failed("r", DeadLetterReason.UNEXPECTED_ERROR)
+    assert again.completions == [] and again.dead_letters == [], "exactly one completion"
+    assert reasons(run(processor, tokens(2, "y"))) == ["request_already_failed"]
+
+
+def test_mark_failed_on_a_restored_request_publishes_its_text(registry) -> None:
+    processor = RequestProcessor(registry)
+    run(processor, plain_prompt(), tokens(1, "Hello"))
+    log = dict(processor.changelog_records("r"))
+    restored = RequestProcessor(registry)
+    restored.restore("r", log[b"r"], {0: log[b"r\xff0"]})
+    (completion,) = restored.mark_failed("r", DeadLetterReason.UNEXPECTED_ERROR).completions
+    assert (completion.status, completion.text) == ("failed", "Hello")
+
+
+def test_a_head_that_does_not_restore_gets_a_failed_completion(registry) -> None:
+    processor = RequestProcessor(registry)
+    run(processor, plain_prompt(), tokens(1, "Hello"))
+    log = dict(processor.changelog_records("r"))
+    del log[b"r\xff0"]  # its segment lost: the head cannot be restored
+    run(processor, plain_prompt("done"), tokens(1, "x", "done"), finish(2, "done"))
+    log[b"done"] = dict(processor.changelog_records("done"))[b"done"]
+    log[b"done"] = log[b"done"].replace(b'"finished"', b'"finished","last_seq":"x"')  # garbage
+    latest = {k: FakeMessage(v, k, [(PROCESSED_OFFSET_HEADER, b"0")], 0) for k, v in log.items()}
+    target = RequestProcessor(registry)
+    restored = apply_latest(latest, target, None)
+    assert sorted(letter.request_id for letter in restored.failed) == ["done", "r"]
+    # The live request's completion; the finished one had its own already.
+    (completion,) = restored.failed_requests.completions
+    assert (completion.request_id, completion.status, completion.text) == ("r", "failed", "")
+    assert completion.generated_tokens == 5 and "segment 0" in completion.error
+
+
+def test_a_changelog_record_too_large_publishes_the_failed_completion(registry) -> None:
+    """What the worker calls when the changelog refuses a request's record (the writer)."""
+    processor = RequestProcessor(registry)
+    run(processor, plain_prompt(), tokens(1, "Hello"))
+    producer = RecordingProducer()
+    out = writer(producer, processor)
+    out.write(Output(NAMES.changelog, b"r\xff0", b"s" * LIMIT, partition=3, request_id="r"))
+    by_topic = {}
+    for record in producer.records:
+        by_topic.setdefault(record["topic"], []).append(record)
+    (completion,) = by_topic[NAMES.completions]
+    assert json.loads(completion["value"])["status"] == "failed"
+    assert json.loads(completion["value"])["text"] == "Hello"
+    assert json.loads(by_topic[NAMES.changelog][-1]["value"])["state"]["kind"] == "failed"
+
+
+class RaisingProcessor(RequestProcessor):
+    """A processor with a bug that raises out of `process` for any batch holding seq 2."""
+
+    def process(self, batch, now=0.0):
+        if any(event.seq == 2 for event, _ in batch):
+            raise RuntimeError("processor bug")
+        return super().process(batch, now)
+
+
+def test_a_batch_that_raises_fails_its_request_with_a_completion(registry) -> None:
+    processor = RaisingProcessor(registry)
+    run(processor, plain_prompt(), tokens(1, "Hello"))
+    batch = [(e, origin(i, e)) for i, e in enumerate([tokens(2, "x"), tokens(3, "y")])]
+    letters: list = []
+    result = process_guarded(processor, batch, 0.0, letters)
+    assert [letter.reason.value for letter in letters] == ["unexpected_error"]
+    (completion,) = result.completions
+    assert (completion.status, completion.text) == ("failed", "Hello")
+    # seq 3 was held (seq 2 never decoded): one fate, dead-lettered with the request.
+    assert reasons(result) == ["request_already_failed"]
