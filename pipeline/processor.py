@@ -252,7 +252,7 @@ class RequestProcessor:
         # Events that were waiting for this one are now in order, up to a finish.
         while not entry.finished and next_seq in held:
             queued = held.pop(next_seq)
-            state.held_bytes -= len(queued.origin.value)
+            state.held_bytes -= queued.size
             entry.events.append(queued)
             next_seq += 1
             entry.finished = type(queued.event) is ParsedFinish

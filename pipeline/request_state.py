@@ -61,6 +61,7 @@ class HeldEvent:
 
     event: ParsedTokens | ParsedFinish
     origin: Origin
+    size: int = 0  # bytes its record takes in a snapshot, once held (`held_size`)
 
 
 class HeldRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -98,6 +99,17 @@ def held_record(origin: Origin) -> HeldRecord:
         headers=list(origin.headers),
         timestamp_ms=origin.timestamp_ms,
     )
+
+
+def held_size(origin: Origin) -> int:
+    """Bytes a held event's record takes in its request's snapshot, as `max_held_bytes` must
+    count them: its value, key and headers as stored (escaped, base64). Counting the value
+    alone let tiny events with ~900 KB of headers grow a snapshot past the changelog's limit
+    (issue 32 item 2). The record's other fields (source, partition, offset, timestamp) are a
+    few dozen bytes, bounded by `MAX_HELD_EVENTS`. Held events are rare (a producer that
+    reorders), so one encode each is cheap."""
+    record = held_record(origin)
+    return len(encode_json((record.value, record.key, record.headers)))
 
 
 def held_origin(record: HeldRecord) -> EventOrigin:
@@ -201,7 +213,8 @@ class ActiveRequest(_ActiveFields, kw_only=True):
         if type(held) is not dict:
             held = self.held = {}
         held[seq] = event
-        self.held_bytes += len(event.origin.value)
+        event.size = held_size(event.origin)
+        self.held_bytes += event.size
         return held
 
     def release_held(self) -> None:
@@ -536,7 +549,7 @@ def _active_request(
         text_chars=len(text),
         text_size=json_size(text),
         held={held.event.seq: held for held in held} if held else NO_HELD,
-        held_bytes=sum(len(h.origin.value) for h in held),
+        held_bytes=sum(h.size for h in held),
     )
 
 
@@ -740,5 +753,5 @@ def _held_events(request_id: str, record: ActiveRecord) -> list[HeldEvent]:
                 f"request {request_id!r}: held record at offset {item.offset} is not a later "
                 f"event of this request"
             )
-        events.append(HeldEvent(event, origin))
+        events.append(HeldEvent(event, origin, held_size(origin)))
     return events

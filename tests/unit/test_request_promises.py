@@ -26,6 +26,7 @@ from tests.unit.request_events import (
 from tests.unit.test_output_writer import LIMIT, NAMES, RecordingProducer, writer
 from workers.changelog import PROCESSED_OFFSET_HEADER, apply_latest
 from workers.checkpointing import Output
+from workers.output_limits import HELD_SHARE_OF_LIMIT
 from workers.record_handling import process_guarded
 
 
@@ -162,3 +163,28 @@ def test_a_batch_that_raises_fails_its_request_with_a_completion(registry) -> No
     assert (completion.status, completion.text) == ("failed", "Hello")
     # seq 3 was held (seq 2 never decoded): one fate, dead-lettered with the request.
     assert reasons(result) == ["request_already_failed"]
+
+
+# -- item 2: held events are counted as stored, headers included --------------------------------
+
+
+def test_held_events_with_large_headers_never_outgrow_the_changelog(registry) -> None:
+    """Out-of-order events with tiny values and ~900 KB of headers between them: the request
+    fails on its gap (one failed completion, every held record dead-lettered) before its head
+    outgrows the changelog's limit; each record has one fate."""
+    changelog_limit = 1_000_000
+    processor = RequestProcessor(registry, max_held_bytes=changelog_limit // HELD_SHARE_OF_LIMIT)
+    run(processor, plain_prompt(), tokens(1, "Hi"))
+    headers = (("trace", b"t" * 128_000),)
+    fates = 0
+    failed = None
+    for seq in range(3, 10):  # seq 2 never comes: seven held events
+        result = processor.process(
+            [(tokens(seq, "x"), origin(seq, tokens(seq, "x"), headers=headers))]
+        )
+        fates += len(result.dead_letters)
+        failed = failed or result.completions
+        head = dict(processor.changelog_records("r")).get(b"r")
+        assert head is None or len(head) <= changelog_limit
+    assert [c.status for c in failed] == ["failed"] and failed[0].text == "Hi"
+    assert fates == 7, "every held record dead-lettered once"
