@@ -126,20 +126,20 @@ class RequestProcessor:
     # -- the batch ----------------------------------------------------------------------------
 
     def process(self, batch: Iterable[tuple[ParsedEvent, Origin]], now: float = 0.0) -> BatchResult:
-        """Sequence and decode one batch of events.
+        """Sequence and decode one batch of events, consumed at `now` (the caller's clock).
 
-        Each request's `last_event_at` is the event time: the origin's timestamp when it has
-        one, else `now`. So a backlog consumed late does not look idle (see `expire`). A
-        timestamp ahead of `now` (a producer whose clock runs fast) counts as `now`: otherwise
-        one bad clock would keep its requests from ever expiring, and their state forever.
+        Each request's `last_event_at` is `now`: idleness is measured in the clock that
+        consumed its events, never in its records' timestamps. A producer's clock is its own:
+        one running minutes slow, or a replay that keeps the logged records' original
+        CreateTime, made every live request of theirs look idle by that lag once its partition
+        was caught up and the TTL sweep compared with the wall clock (issue 32 item 3).
         """
         result = BatchResult()
         work: dict[str, _Work] = {}
         counts = result.events_by_type
+        at = now
         for event, origin in batch:
             counts[event.type] += 1
-            timestamp_ms = origin.timestamp_ms
-            at = now if timestamp_ms is None or timestamp_ms < 0 else min(timestamp_ms / 1000, now)
             try:
                 self._sequence(event, origin, at, work, result)
             except BaseException as error:  # one request's fault must not end the batch
@@ -992,16 +992,21 @@ class RequestProcessor:
     ) -> BatchResult:
         """End what has been idle too long: live requests fail (TTL), markers are forgotten.
 
-        Idleness is `reference(request_id) - last_event_at`, both in event time: the worker
-        passes, per request's partition, the wall clock once that partition is caught up and
-        the newest record time consumed from it before, so a backlog never expires requests
-        whose events are still waiting in it. At most `limit` requests are ended per call: an
-        expiry writes a completion, dead letters and a snapshot, and 200k requests idle at
-        once must go out over several commits, not as one transaction.
+        Idleness is `reference(request_id) - last_event_at`, the latter in the clock that
+        consumed the request's events (`process`). `latest`, when given, is that clock now (the
+        worker's wall clock), and no reference counts past it: a reference is then never later
+        than the request's own clock, so nothing expires early, whatever a producer's clock
+        says. The worker passes, per request's partition, the wall clock once that partition
+        is caught up, and before, the newest record time consumed from it: during a backlog
+        that lags the wall clock, so a request consumed during it does not look idle while its
+        later events still wait in it, and one restored from before an outage is idle for as
+        long as the backlog's records have moved on since. At most `limit` requests are ended
+        per call: an expiry writes a completion, dead letters and a snapshot, and 200k requests
+        idle at once must go out over several commits, not as one transaction.
 
-        `latest`, when given, is a time no reference exceeds (the worker's wall clock): requests
-        newer than it minus the shorter of the TTL and the retention cannot be due, and are
-        passed over in one comprehension, without a reference call each (see `_due`).
+        With `latest`, requests newer than it minus the shorter of the TTL and the retention
+        cannot be due, and are passed over in one comprehension, without a reference call each
+        (see `_due`).
         """
         result = BatchResult()
         reference_of = reference if callable(reference) else _constant(reference)
@@ -1012,6 +1017,8 @@ class RequestProcessor:
             if limit is not None and ended >= limit:
                 break
             at = reference_of(request_id)
+            if latest is not None and at > latest:
+                at = latest
             idle = at - state.last_event_at
             if type(state) is RestoredRequest:
                 if idle < self.request_ttl_s:

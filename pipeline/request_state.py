@@ -156,7 +156,7 @@ class _ActiveFields(msgspec.Struct, kw_only=True):
     delta_start: Seq = 1  # first seq not yet covered by a published delta
     generated_tokens: Count = 0
     filtered_ids_sent: bool = False
-    last_event_at: float = 0.0  # event time of its latest event, in seconds
+    last_event_at: float = 0.0  # when its latest event was consumed (the consumer's clock), s
     # Decode options (docs/decode-options.md). Stop strings, from the prompt event:
     stop: list[str] | None = None
     include_stop_str_in_output: bool = False

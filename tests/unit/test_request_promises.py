@@ -188,3 +188,62 @@ def test_held_events_with_large_headers_never_outgrow_the_changelog(registry) ->
         assert head is None or len(head) <= changelog_limit
     assert [c.status for c in failed] == ["failed"] and failed[0].text == "Hi"
     assert fates == 7, "every held record dead-lettered once"
+
+
+# -- item 3: idleness in one clock per request --------------------------------------------------
+
+TTL = 30.0
+
+
+def stamped(processor: RequestProcessor, event, record_time: float, now: float):
+    """`event` in a record stamped `record_time` (its producer's clock), consumed at `now`."""
+    record = origin(0, event, timestamp_ms=int(record_time * 1000))
+    return processor.process([(event, record)], now)
+
+
+@pytest.mark.parametrize(
+    "skew",
+    [
+        121.0,  # a producer whose clock runs two minutes slow
+        3 * 86_400.0,  # a backfill replaying three-day-old logs with their original CreateTime
+    ],
+)
+def test_a_request_fed_every_second_never_expires_whatever_its_records_say(
+    registry, skew: float
+) -> None:
+    processor = RequestProcessor(registry, request_ttl_s=TTL)
+    wall = 10_000_000.0
+    ended = []
+    stamped(processor, plain_prompt(), wall - skew, wall)
+    # The sweep lands right after the prompt, with the partition caught up (wall clock).
+    ended += processor.expire(wall + 0.5, latest=wall + 0.5).completions
+    for seq in range(1, 100):
+        wall += 1.0
+        ended += stamped(processor, tokens(seq, "x"), wall - skew, wall).completions
+        # Caught up now and then: the wall clock; else the partition's newest record time.
+        reference = wall + 0.5 if seq % 3 else wall - skew
+        ended += processor.expire(reference, latest=wall + 0.5).completions
+    assert ended == [], "a live request was expired"
+    done = stamped(processor, finish(100), wall - skew, wall + 1.0)
+    assert [(c.status, c.text) for c in done.completions] == [("ok", "x" * 99)]
+
+
+def test_a_producer_that_stops_expires_after_the_ttl_in_the_consumers_clock(registry) -> None:
+    processor = RequestProcessor(registry, request_ttl_s=TTL)
+    wall = 10_000_000.0
+    stamped(processor, plain_prompt(), wall - 3_600.0, wall)
+    stamped(processor, tokens(1, "so"), wall - 3_600.0, wall)
+    assert processor.expire(wall + TTL - 1, latest=wall + TTL - 1).completions == []
+    expired = processor.expire(wall + TTL, latest=wall + TTL)
+    assert [(c.status, c.text) for c in expired.completions] == [("failed", "so")]
+
+
+def test_a_record_time_ahead_of_the_wall_clock_never_expires_early(registry) -> None:
+    """A producer whose clock runs fast raises its partition's newest record time (the worker's
+    reference during a backlog) past the wall clock: it counts as the wall clock."""
+    processor = RequestProcessor(registry, request_ttl_s=TTL)
+    wall = 10_000_000.0
+    stamped(processor, plain_prompt(), wall, wall)
+    stamped(processor, tokens(1, "so"), wall, wall)
+    fast = wall + 3_600.0  # another producer's record, an hour ahead
+    assert processor.expire(fast, latest=wall + 1.0).completions == []
