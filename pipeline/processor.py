@@ -33,7 +33,6 @@ from pipeline.decode_stream import (
 from pipeline.errors import SnapshotError
 from pipeline.request_state import (
     ActiveRequest,
-    FailedRequest,
     FinishedRequest,
     HeldEvent,
     RequestState,
@@ -48,19 +47,15 @@ from pipeline.request_state import (
 from pipeline.requests import expiry, failures
 from pipeline.requests.expiry import Lifetimes
 from pipeline.requests.outcomes import Outcomes
+from pipeline.requests.sequencing import MAX_HELD_EVENTS, Sequencer
 from pipeline.requests.work import Work
 from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
 from pipeline.stages import logprobs, stop_strings
-from pipeline.tokenizer_registry import TokenizerRegistry, UnknownModelError
+from pipeline.tokenizer_registry import TokenizerRegistry
 from pipeline.vocab_tables import profile_for
 from schemas.events import DeadLetterReason
-from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
+from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedTokens
 from schemas.validation import is_record_fault
-
-# How many out-of-order events one request may hold while it waits for a missing seq. Producers
-# that reorder do so by a few events (retries across partitions leaders); a request whose gap
-# needs more than this is broken upstream, and holding more only grows memory and changelog.
-MAX_HELD_EVENTS = 64
 
 
 class RequestProcessor:
@@ -77,12 +72,11 @@ class RequestProcessor:
         max_held_bytes: int | None = None,
     ) -> None:
         self.registry = registry
-        self.unknown_generated_ids = unknown_generated_ids
         # An idle request is one whose producer died mid-generation; after this long nothing
         # will complete it, and holding its state forever would leak memory and changelog.
         self.request_ttl_s = request_ttl_s
         # Finished and failed markers only serve to classify late duplicates; a duplicate that
-        # comes later than this is treated as a fresh event (see `_expire_active` for why a
+        # comes later than this is treated as a fresh event (see `expiry.expire_active` for why a
         # late prompt reopening a finished request can no longer replace its completion).
         self.finished_retention_s = finished_retention_s
         # A request's text is carried whole by its completion and by each of its snapshots, so
@@ -90,15 +84,18 @@ class RequestProcessor:
         # escapes included) the request fails (`output_too_large`) with the text up to the
         # limit. None: no limit.
         self.max_text_bytes = max_text_bytes
-        # Held (out-of-order) events are stored in the request's snapshot until the gap closes;
-        # past this many bytes of held records in one request, it fails like a gap that never
-        # closes, before its snapshot outgrows the changelog's record size. None: no limit.
-        self.max_held_bytes = max_held_bytes
         self.requests: dict[str, RequestState | RestoredRequest] = {}
         # Requests that ended since their last changelog records, with how many text segments
         # they had there: each segment key gets a tombstone (`changelog_records`).
         self.retired_segments: dict[str, int] = {}
         self.outcomes = Outcomes(self.requests, self.retired_segments, registry, max_text_bytes)
+        self.sequencer = Sequencer(
+            self.outcomes,
+            registry,
+            self._rebuilt,
+            unknown_generated_ids=unknown_generated_ids,
+            max_held_bytes=max_held_bytes,
+        )
 
     def warm_up(self) -> None:
         """Build every model's decode tables now rather than inside the first batch that needs
@@ -121,173 +118,17 @@ class RequestProcessor:
         work: dict[str, Work] = {}
         counts = result.events_by_type
         at = now
+        sequence = self.sequencer.sequence
         for event, origin in batch:
             counts[event.type] += 1
             try:
-                self._sequence(event, origin, at, work, result)
+                sequence(event, origin, at, work, result)
             except BaseException as error:  # one request's fault must not end the batch
                 if not is_record_fault(error):
                     raise
                 failures.fail_sequencing(self.outcomes, event, origin, at, error, work, result)
         self._decode(list(work.values()), result)
         return result
-
-    def _sequence(
-        self,
-        event: ParsedEvent,
-        origin: Origin,
-        at: float,
-        work: dict[str, Work],
-        result: BatchResult,
-    ) -> None:
-        request_id = event.request_id
-        state = self.requests.get(request_id)
-        if type(state) is ActiveRequest and type(event) is not ParsedPrompt:
-            # The common case first: the next event of a live request.
-            if at > state.last_event_at:
-                state.last_event_at = at
-            self._sequence_active(request_id, state, event, origin, work, result)
-            return
-        if type(event) is ParsedPrompt:
-            if state is None or (type(state) is FailedRequest and state.at_open):
-                self._open(event, origin, at, result)
-            else:
-                result.duplicates += 1
-            return
-        if state is None:
-            self.outcomes.dead_letter(
-                result,
-                DeadLetterReason.MISSING_PROMPT,
-                event,
-                origin,
-                "no prompt event was seen for this request",
-            )
-            return
-        if type(state) is RestoredRequest:
-            state = self._rebuilt(request_id, state)
-        state.last_event_at = max(state.last_event_at, at)
-        if isinstance(state, FailedRequest):
-            self.outcomes.dead_letter(
-                result,
-                DeadLetterReason.REQUEST_ALREADY_FAILED,
-                event,
-                origin,
-                f"request already failed ({state.reason.value})",
-            )
-            result.touched.add(request_id)
-            return
-        if isinstance(state, FinishedRequest):
-            if event.seq <= state.last_seq:
-                result.duplicates += 1
-            elif state.stopped:
-                self.outcomes.after_stop(request_id, state, event, result)
-            else:
-                self.outcomes.dead_letter(
-                    result,
-                    DeadLetterReason.EVENT_AFTER_FINISH,
-                    event,
-                    origin,
-                    f"seq {event.seq} after finish at seq {state.last_seq}",
-                )
-            return
-        self._sequence_active(request_id, state, event, origin, work, result)
-
-    def _sequence_active(
-        self,
-        request_id: str,
-        state: ActiveRequest,
-        event: ParsedTokens | ParsedFinish,
-        origin: Origin,
-        work: dict[str, Work],
-        result: BatchResult,
-    ) -> None:
-        result.touched.add(request_id)
-        seq = event.seq
-        next_seq = state.next_seq
-        held = state.held
-        if seq < next_seq or seq in held:
-            result.duplicates += 1
-            return
-        entry = work.get(request_id)
-        if entry is not None and entry.finished:
-            # Finished earlier in this very batch; the marker replaces the state after decoding.
-            self.outcomes.dead_letter(
-                result,
-                DeadLetterReason.EVENT_AFTER_FINISH,
-                event,
-                origin,
-                f"seq {seq} after finish at seq {entry.events[-1].event.seq}",
-            )
-            return
-        if seq > next_seq:
-            held = state.hold(seq, HeldEvent(event, origin))
-            if len(held) > MAX_HELD_EVENTS or (
-                self.max_held_bytes is not None and state.held_bytes > self.max_held_bytes
-            ):
-                failures.fail_gap(self.outcomes, request_id, state, work, result)
-            return
-        if entry is None:
-            entry = work[request_id] = Work(request_id, state)
-        entry.events.append(HeldEvent(event, origin))
-        next_seq += 1
-        if type(event) is ParsedFinish:
-            entry.finished = True
-        # Events that were waiting for this one are now in order, up to a finish.
-        while not entry.finished and next_seq in held:
-            queued = held.pop(next_seq)
-            state.held_bytes -= queued.size
-            entry.events.append(queued)
-            next_seq += 1
-            entry.finished = type(queued.event) is ParsedFinish
-        state.next_seq = next_seq
-
-    def _open(self, event: ParsedPrompt, origin: Origin, at: float, result: BatchResult) -> None:
-        request_id = event.request_id
-        result.touched.add(request_id)
-        try:
-            model = self.registry.get(event.model)
-        except UnknownModelError as error:
-            self.outcomes.dead_letter(
-                result, DeadLetterReason.UNKNOWN_MODEL, event, origin, str(error)
-            )
-            self.requests[request_id] = FailedRequest(
-                model=event.model,
-                reason=DeadLetterReason.UNKNOWN_MODEL,
-                last_event_at=at,
-                at_open=True,
-            )
-            return
-        bad_id = model.first_out_of_range(event.prompt_token_ids)
-        if bad_id is not None:
-            self.outcomes.dead_letter(
-                result,
-                DeadLetterReason.TOKEN_ID_OUT_OF_RANGE,
-                event,
-                origin,
-                f"prompt token id {bad_id} is outside the model vocabulary "
-                f"({model.model_vocab_size} ids)",
-            )
-            self.requests[request_id] = FailedRequest(
-                model=event.model,
-                reason=DeadLetterReason.TOKEN_ID_OUT_OF_RANGE,
-                last_event_at=at,
-                at_open=True,
-            )
-            return
-        stream = DecodeStream(
-            model.tokenizer,
-            event.prompt_token_ids,
-            skip_special_tokens=event.skip_special_tokens,
-            unknown_generated_ids=self.unknown_generated_ids,
-        )
-        self.requests[request_id] = ActiveRequest(
-            model=model.name,  # the registry's string: one per model, not one per request
-            stream=stream,
-            prompt_tokens=_prompt_tokens(event),
-            last_event_at=at,
-            stop=event.stop,
-            include_stop_str_in_output=event.include_stop_str_in_output,
-        )
 
     # -- decoding -----------------------------------------------------------------------------
 
@@ -615,12 +456,6 @@ class RequestProcessor:
         return sum(
             type(s) is ActiveRequest or type(s) is RestoredRequest for s in self.requests.values()
         )
-
-
-def _prompt_tokens(event: ParsedPrompt) -> int:
-    """The prompt's full length: its count when the producer sent only a tail."""
-    count = event.prompt_tokens
-    return len(event.prompt_token_ids) if count is None else count
 
 
 def _joined_ids(events: Sequence[HeldEvent]) -> list[int]:
