@@ -18,43 +18,36 @@ to the text in `pipeline.stages`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 from tokenizers import Tokenizer
 
-from pipeline.batch import ChunkResult, decode_round
 from pipeline.decode_stream import (
-    DecodeStream,
-    InvalidTokenIdError,
     StrictDecodeError,
-    push_each,
 )
 from pipeline.errors import SnapshotError
 from pipeline.request_state import (
     ActiveRequest,
-    FinishedRequest,
-    HeldEvent,
     RequestState,
     RestoredRequest,
     encode_head,
     encode_snapshot,
-    json_size,
     rebuild,
     restore_state,
     segment_key,
 )
 from pipeline.requests import expiry, failures
+from pipeline.requests.decoding import Decoder
 from pipeline.requests.expiry import Lifetimes
 from pipeline.requests.outcomes import Outcomes
 from pipeline.requests.sequencing import MAX_HELD_EVENTS, Sequencer
 from pipeline.requests.work import Work
 from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
-from pipeline.stages import logprobs, stop_strings
 from pipeline.tokenizer_registry import TokenizerRegistry
 from pipeline.vocab_tables import profile_for
 from schemas.events import DeadLetterReason
-from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedTokens
+from schemas.fast_events import ParsedEvent
 from schemas.validation import is_record_fault
 
 
@@ -89,6 +82,7 @@ class RequestProcessor:
         # they had there: each segment key gets a tombstone (`changelog_records`).
         self.retired_segments: dict[str, int] = {}
         self.outcomes = Outcomes(self.requests, self.retired_segments, registry, max_text_bytes)
+        self.decoder = Decoder(self.outcomes, max_text_bytes)
         self.sequencer = Sequencer(
             self.outcomes,
             registry,
@@ -127,208 +121,8 @@ class RequestProcessor:
                 if not is_record_fault(error):
                     raise
                 failures.fail_sequencing(self.outcomes, event, origin, at, error, work, result)
-        self._decode(list(work.values()), result)
+        self.decoder.decode(list(work.values()), result)
         return result
-
-    # -- decoding -----------------------------------------------------------------------------
-
-    def _decode(self, work: Sequence[Work], result: BatchResult) -> None:
-        # Only requests still active get decoded: a gap overflow may have failed one meanwhile.
-        work = [w for w in work if self.requests.get(w.request_id) is w.state]
-        # Requests with decode options take their own path (`_decode_with_options`); the rest
-        # pays one test each for them.
-        optioned = [
-            w
-            for w in work
-            if w.state.stop is not None or (w.state.logprobs is not False and logprobs.wanted(w))
-        ]
-        if optioned:
-            work = [w for w in work if w.state.stop is None and not logprobs.wanted(w)]
-            self._decode_with_options(optioned, result)
-        chunks = [_joined_ids(w.events) for w in work]
-        try:
-            outcomes = decode_round(
-                [(w.state.stream, chunk) for w, chunk in zip(work, chunks, strict=True)]
-            )
-        except BaseException as error:  # the round isolates streams; this fault is around them
-            if not is_record_fault(error):
-                raise
-            for entry in work:
-                failures.fail_unexpected(self.outcomes, entry, error, result)
-            return
-        for entry, chunk, outcome in zip(work, chunks, outcomes, strict=True):
-            error = outcome.error
-            try:
-                if error is None:
-                    self._advance(entry, chunk, outcome.text, result)
-                elif isinstance(error, StrictDecodeError | InvalidTokenIdError):
-                    failures.fail_decode(self.outcomes, entry, chunk, outcome.text, error, result)
-                else:
-                    failures.fail_unexpected(self.outcomes, entry, error, result)
-            except BaseException as unexpected:  # as in `process`: this request only
-                if not is_record_fault(unexpected):
-                    raise
-                failures.fail_unexpected(self.outcomes, entry, unexpected, result)
-
-    def _advance(self, entry: Work, chunk: list[int], text: str, result: BatchResult) -> None:
-        state = entry.state
-        last = entry.events[-1].event
-        finished = type(last) is ParsedFinish
-        if finished:
-            text += state.stream.flush()
-        if chunk and state.logprobs is None:
-            state.logprobs = False  # its first ids came without logprobs: see `_has_logprobs`
-        state.generated_tokens += len(chunk)
-        result.decoded_tokens += len(chunk)
-        limit = self.max_text_bytes
-        size = None  # encoded once: the limit check and the running size share it
-        if limit is not None:
-            size = json_size(text)
-            if state.text_size + size > limit:
-                failures.fail_too_large(self.outcomes, entry, text, result)
-                return
-        offset = state.text_chars
-        if text:
-            state.add_text(text, size)
-        self.outcomes.filtered_ids(entry.request_id, state, result)
-        if text or finished:
-            result.deltas.append(
-                Delta(
-                    entry.request_id,
-                    state.model,
-                    state.delta_start,
-                    last.seq,
-                    offset,
-                    text,
-                    finished,
-                )
-            )
-            state.delta_start = last.seq + 1
-        if finished:
-            result.completions.append(
-                self.outcomes.completion(entry.request_id, state, "ok", last.finish_reason)
-            )
-            marker = FinishedRequest(last_seq=last.seq, last_event_at=state.last_event_at)
-            self.outcomes.close(entry.request_id, state, marker, result)
-
-    # -- decode options (docs/decode-options.md) ------------------------------------------------
-
-    def _decode_with_options(self, work: list[Work], result: BatchResult) -> None:
-        """Decode requests with stop strings or logprobs.
-
-        A logprob request pushes its chunk id by id: each token's text is part of its output.
-        A request with only stop strings pushes its chunk whole, in the batched round like any
-        other, keeping a copy of its stream from before: the copy is replayed id by id only for
-        the chunk in which a stop completes, to find the token that completed it.
-        """
-        batched: list[tuple[Work, list[int], DecodeStream]] = []
-        singles: list[tuple[Work, list[int], ChunkResult, list[str]]] = []
-        for entry in work:
-            try:
-                fault = logprobs.check(self.registry, entry)
-                if fault is not None:
-                    failures.fail_on_event(self.outcomes, entry, *fault, result)
-                    continue
-                chunk = _joined_ids(entry.events)
-                stream = entry.state.stream
-                if entry.state.logprobs:
-                    texts: list[str] = []
-                    try:
-                        push_each(stream, chunk, texts)
-                        outcome = ChunkResult("".join(texts))
-                    except (StrictDecodeError, InvalidTokenIdError) as error:
-                        outcome = ChunkResult("".join(texts), error)
-                    singles.append((entry, chunk, outcome, texts))
-                else:
-                    batched.append((entry, chunk, stream.clone()))  # type: ignore[arg-type]
-            except BaseException as error:  # as in `process`: this request only
-                if not is_record_fault(error):
-                    raise
-                failures.fail_unexpected(self.outcomes, entry, error, result)
-        try:
-            outcomes = decode_round([(w.state.stream, chunk) for w, chunk, _ in batched])
-        except BaseException as error:  # the round isolates streams; this fault is around them
-            if not is_record_fault(error):
-                raise
-            for entry, _, _ in batched:
-                failures.fail_unexpected(self.outcomes, entry, error, result)
-            outcomes, batched = [], []
-        steps = [
-            (w, c, o, None, before) for (w, c, before), o in zip(batched, outcomes, strict=True)
-        ]
-        steps += [(w, c, o, texts, None) for w, c, o, texts in singles]
-        for entry, chunk, outcome, texts, before in steps:
-            try:
-                error = outcome.error
-                if error is not None and not isinstance(
-                    error, StrictDecodeError | InvalidTokenIdError
-                ):
-                    failures.fail_unexpected(self.outcomes, entry, error, result)
-                else:
-                    self._advance_with_options(entry, chunk, outcome, texts, before, result)
-            except BaseException as unexpected:  # as in `process`: this request only
-                if not is_record_fault(unexpected):
-                    raise
-                failures.fail_unexpected(self.outcomes, entry, unexpected, result)
-
-    def _advance_with_options(
-        self,
-        entry: Work,
-        chunk: list[int],
-        outcome: ChunkResult,
-        texts: list[str] | None,
-        before: DecodeStream | None,
-        result: BatchResult,
-    ) -> None:
-        """`_advance` with stop strings and logprobs: find a stop, hold back what may begin
-        one, record each token's place in the text."""
-        state = entry.state
-        error = outcome.error
-        text = outcome.text
-        pushed = len(chunk)
-        if error is not None:
-            bad_id = getattr(error, "token_id", None)
-            pushed = chunk.index(bad_id) if bad_id in chunk else 0
-        last = entry.events[-1].event
-        finished = error is None and type(last) is ParsedFinish
-        if finished:
-            text += state.stream.flush()
-        if state.logprobs:
-            logprobs.record(state, entry.events, pushed, texts or [])
-        matcher = stop_strings.matcher(state)
-        if matcher is not None:
-            held = state.stop_held
-            match = matcher.find(held + text) if text else None
-            if match is not None:
-                stop_strings.stop(
-                    self.outcomes, entry, chunk, pushed, text, texts, before, match, result
-                )
-                return
-        if error is not None:
-            failures.fail_decode(self.outcomes, entry, chunk, text, error, result)  # type: ignore[arg-type]
-            return
-        state.generated_tokens += pushed
-        result.decoded_tokens += pushed
-        limit = self.max_text_bytes
-        if limit is not None and state.text_size + json_size(text) > limit:
-            failures.fail_too_large(self.outcomes, entry, text, result)
-            return
-        state.add_text(text)
-        published = state.stop_held + text
-        if matcher is not None:
-            published = stop_strings.hold_back(state, matcher, published, finished)
-        self.outcomes.filtered_ids(entry.request_id, state, result)
-        entries = logprobs.new_entries(self.registry, state, finished, state.text_chars)
-        if published or finished or entries:
-            self.outcomes.publish_delta(
-                entry.request_id, state, last.seq, published, finished, entries, result
-            )
-        if finished:
-            result.completions.append(
-                self.outcomes.completion(entry.request_id, state, "ok", last.finish_reason)
-            )
-            marker = FinishedRequest(last_seq=last.seq, last_event_at=state.last_event_at)
-            self.outcomes.close(entry.request_id, state, marker, result)
 
     # -- expiry -------------------------------------------------------------------------------
 
@@ -371,8 +165,6 @@ class RequestProcessor:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
             self.retired_segments.pop(request_id, None)
-
-    # -- dead letters -------------------------------------------------------------------------
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -456,16 +248,6 @@ class RequestProcessor:
         return sum(
             type(s) is ActiveRequest or type(s) is RestoredRequest for s in self.requests.values()
         )
-
-
-def _joined_ids(events: Sequence[HeldEvent]) -> list[int]:
-    """The generated ids of a request's in-order events, as one chunk (list extends, no
-    per-id Python loop: this runs for every active request of every batch)."""
-    ids: list[int] = []
-    for held in events:
-        if type(held.event) is ParsedTokens:
-            ids += held.event.token_ids
-    return ids
 
 
 __all__ = [
