@@ -23,9 +23,7 @@ from typing import Literal
 
 from tokenizers import Tokenizer
 
-from pipeline.decode_stream import (
-    StrictDecodeError,
-)
+from pipeline.decode_stream import StrictDecodeError
 from pipeline.errors import SnapshotError
 from pipeline.request_state import (
     ActiveRequest,
@@ -133,24 +131,8 @@ class RequestProcessor:
         limit: int | None = None,
         latest: float | None = None,
     ) -> BatchResult:
-        """End what has been idle too long: live requests fail (TTL), markers are forgotten.
-
-        Idleness is `reference(request_id) - last_event_at`, the latter in the clock that
-        consumed the request's events (`process`). `latest`, when given, is that clock now (the
-        worker's wall clock), and no reference counts past it: a reference is then never later
-        than the request's own clock, so nothing expires early, whatever a producer's clock
-        says. The worker passes, per request's partition, the wall clock once that partition
-        is caught up, and before, the newest record time consumed from it: during a backlog
-        that lags the wall clock, so a request consumed during it does not look idle while its
-        later events still wait in it, and one restored from before an outage is idle for as
-        long as the backlog's records have moved on since. At most `limit` requests are ended
-        per call: an expiry writes a completion, dead letters and a snapshot, and 200k requests
-        idle at once must go out over several commits, not as one transaction.
-
-        With `latest`, requests newer than it minus the shorter of the TTL and the retention
-        cannot be due, and are passed over in one comprehension, without a reference call each
-        (see `_due`).
-        """
+        """End what has been idle too long: live requests fail (TTL), markers are forgotten
+        (`pipeline.requests.expiry.expire`: idleness, `reference`, `latest` and `limit`)."""
         lifetimes = Lifetimes(self.request_ttl_s, self.finished_retention_s, self._rebuilt)
         return expiry.expire(self.outcomes, lifetimes, reference, limit=limit, latest=latest)
 

@@ -42,10 +42,7 @@ class Decoder:
     def __init__(self, outcomes: Outcomes, max_text_bytes: int | None) -> None:
         self.outcomes = outcomes
         self.registry = outcomes.registry
-        # A request's text is carried whole by its completion and by its snapshots, so it must
-        # fit the output topics' record size: past this many bytes (as JSON: UTF-8, escapes
-        # included) the request fails (`output_too_large`) with the text up to the limit.
-        self.max_text_bytes = max_text_bytes
+        self.max_text_bytes = max_text_bytes  # see `RequestProcessor`
 
     def decode(self, work: Sequence[Work], result: BatchResult) -> None:
         """Decode every request's chunk: one batched round for the chunks pushed whole (those

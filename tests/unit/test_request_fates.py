@@ -161,7 +161,7 @@ def test_every_opened_request_completes_once_and_every_record_has_one_fate(
             assert completions[request_id] == 0
         elif request_id in expired_at_prompt:
             # Ended after its prompt alone: a ttl_expired dead letter, no completion (a late
-            # duplicate prompt must not replace an earlier `ok`; `_expire_active`).
+            # duplicate prompt must not replace an earlier `ok`; `expiry.expire_active`).
             assert completions[request_id] == 0
         else:
             assert completions[request_id] == 1, f"{request_id}: {completions[request_id]}"
