@@ -41,8 +41,15 @@ from schemas.validation import Rejection, parse_event
 # is version 2 with no segments. The format before it (a bare state dict, no version) is refused
 # like any other unknown version; a version 1 reader refuses version 2 by its number rather than
 # restore a text without its segments.
-SNAPSHOT_VERSION = 2
-READABLE_VERSIONS = (1, SNAPSHOT_VERSION)
+#
+# Version 3 is version 2 but for a request with logprobs: each of its segments is a
+# `LogprobSegment` (the text and the logprob columns it gained since the previous one) instead
+# of bare text, so that the columns, like the text, are written once rather than with every head
+# (issue 32 item 6: 8,000 tokens with top-5 wrote 25.5 MB). A version 2 head with logprobs
+# (its columns all in the head, its segments bare text) is still read; a version 2 reader
+# refuses version 3 by its number rather than read a framed segment as text.
+SNAPSHOT_VERSION = 3
+READABLE_VERSIONS = (1, 2, SNAPSHOT_VERSION)
 
 Seq = Annotated[int, msgspec.Meta(ge=1)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -54,6 +61,7 @@ class HeldEvent:
 
     event: ParsedTokens | ParsedFinish
     origin: Origin
+    size: int = 0  # bytes its record takes in a snapshot, once held (`held_size`)
 
 
 class HeldRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -91,6 +99,17 @@ def held_record(origin: Origin) -> HeldRecord:
         headers=list(origin.headers),
         timestamp_ms=origin.timestamp_ms,
     )
+
+
+def held_size(origin: Origin) -> int:
+    """Bytes a held event's record takes in its request's snapshot, as `max_held_bytes` must
+    count them: its value, key and headers as stored (escaped, base64). Counting the value
+    alone let tiny events with ~900 KB of headers grow a snapshot past the changelog's limit
+    (issue 32 item 2). The record's other fields (source, partition, offset, timestamp) are a
+    few dozen bytes, bounded by `MAX_HELD_EVENTS`. Held events are rare (a producer that
+    reorders), so one encode each is cheap."""
+    record = held_record(origin)
+    return len(encode_json((record.value, record.key, record.headers)))
 
 
 def held_origin(record: HeldRecord) -> EventOrigin:
@@ -137,7 +156,7 @@ class _ActiveFields(msgspec.Struct, kw_only=True):
     delta_start: Seq = 1  # first seq not yet covered by a published delta
     generated_tokens: Count = 0
     filtered_ids_sent: bool = False
-    last_event_at: float = 0.0  # event time of its latest event, in seconds
+    last_event_at: float = 0.0  # when its latest event was consumed (the consumer's clock), s
     # Decode options (docs/decode-options.md). Stop strings, from the prompt event:
     stop: list[str] | None = None
     include_stop_str_in_output: bool = False
@@ -186,6 +205,7 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     lp_built: list[Any] | tuple[()] = ()  # `TokenLogprob`s
     stop_matcher: Any = None  # its `stop_strings.StopScanner`, made on first use
     logged_parts: int = 0  # leading `text_parts` already written as changelog segments
+    lp_logged: int = 0  # leading logprob column entries already written as changelog segments
 
     def hold(self, seq: int, event: HeldEvent) -> dict[int, HeldEvent]:
         """Hold an event that came before `seq - 1`; the request's own held events."""
@@ -193,7 +213,8 @@ class ActiveRequest(_ActiveFields, kw_only=True):
         if type(held) is not dict:
             held = self.held = {}
         held[seq] = event
-        self.held_bytes += len(event.origin.value)
+        event.size = held_size(event.origin)
+        self.held_bytes += event.size
         return held
 
     def release_held(self) -> None:
@@ -324,8 +345,15 @@ def encode_snapshot(state: RequestState) -> bytes:
 
 
 def _encode_active(
-    state: ActiveRequest, *, segments: int, text: str, omit_defaults: bool = False
+    state: ActiveRequest,
+    *,
+    segments: int,
+    text: str,
+    omit_defaults: bool = False,
+    lp_from: int = 0,
 ) -> bytes:
+    """The value of an active request whose `segments` segments hold what comes before `text`
+    and before the logprob entries from `lp_from` on."""
     record = {
         "kind": "active",
         **_snapshot_fields(state),
@@ -334,9 +362,29 @@ def _encode_active(
         "text": text,
         "held": [held_record(state.held[seq].origin) for seq in sorted(state.held)],
     }
+    if lp_from:
+        for name in _COLUMNS:
+            record[name] = record[name][lp_from:] or ()
     if omit_defaults:
         record = {k: v for k, v in record.items() if not _is_default(k, v)}
     return encode_json({"version": SNAPSHOT_VERSION, "state": record})
+
+
+_COLUMNS = ("lp_ids", "lp_values", "lp_tops", "lp_offsets")
+
+
+class LogprobSegment(msgspec.Struct, array_like=True):
+    """A version 3 segment: the text and the logprob column entries a request gained since its
+    previous segment (`pipeline.logprobs` for the columns)."""
+
+    text: str
+    ids: list[int]
+    values: list[float]
+    tops: list[list[tuple[int, float]]]
+    offsets: list[Count]
+
+
+_LOGPROB_SEGMENT_DECODER = msgspec.json.Decoder(LogprobSegment)
 
 
 _RECORD_DEFAULTS = {
@@ -393,16 +441,40 @@ def encode_head(state: ActiveRequest) -> tuple[tuple[int, bytes] | None, bytes]:
     """
     parts = state.text_parts
     logged = state.logged_parts
-    segment = None
+    fresh = None
     if logged < len(parts):
         fresh = parts[logged] if len(parts) - logged == 1 else "".join(parts[logged:])
         parts[logged:] = [fresh]
         state.logged_parts = len(parts)
-        segment = (state.text_segments, fresh.encode())
+    value = None
+    if state.logprobs:
+        first = state.lp_logged
+        if fresh is not None or first < len(state.lp_offsets):
+            value = encode_json(
+                LogprobSegment(
+                    fresh or "",
+                    state.lp_ids[first:],
+                    state.lp_values[first:],
+                    state.lp_tops[first:],
+                    state.lp_offsets[first:],
+                )
+            )
+            state.lp_logged = len(state.lp_offsets)
+    elif fresh is not None:
+        value = fresh.encode()
+    segment = None
+    if value is not None:
+        segment = (state.text_segments, value)
         state.text_segments += 1
     # Fields at their defaults are left out: the head is written at every commit (and a
     # million open requests are a million heads to restore), and most of them are.
-    head = _encode_active(state, segments=state.text_segments, text="", omit_defaults=True)
+    head = _encode_active(
+        state,
+        segments=state.text_segments,
+        text="",
+        omit_defaults=True,
+        lp_from=state.lp_logged,
+    )
     return segment, head
 
 
@@ -430,7 +502,8 @@ def decode_snapshot(
         return record
     if snapshot.version == 1:
         record.text_segments = 0  # version 1 had no segments: its text is all inline
-    return _active_request(request_id, record, tokenizer_of, segments or {})
+    framed = snapshot.version >= 3 and bool(record.logprobs)
+    return _active_request(request_id, record, tokenizer_of, segments or {}, framed=framed)
 
 
 def _active_request(
@@ -439,9 +512,12 @@ def _active_request(
     tokenizer_of: Callable[[str], Tokenizer],
     segments: Mapping[int, bytes],
     logged: str | None = None,
+    *,
+    framed: bool = False,
 ) -> ActiveRequest:
     """The live request of a decoded head: `logged` is the text of its segments when already
-    joined (a `RestoredRequest`'s), else it is read from `segments`."""
+    joined (a `RestoredRequest`'s), else it is read from `segments` (`LogprobSegment`s when
+    `framed`: their columns come before the head's own)."""
     try:
         tokenizer = tokenizer_of(record.model)
     except LookupError as error:
@@ -454,18 +530,26 @@ def _active_request(
             f"{type(error).__name__}: {error}"
         ) from error
     held = _held_events(request_id, record)
-    if logged is None:
+    fields = _active_fields(record)
+    lp_logged = 0
+    if framed:
+        logged, columns = _logprob_segments(request_id, record, segments)
+        lp_logged = len(columns[-1])
+        if lp_logged:
+            fields.update(zip(_COLUMNS, columns, strict=True))
+    elif logged is None:
         logged = _segments_text(request_id, record.text_segments, segments)
     text = logged + record.text
     return ActiveRequest(
-        **_active_fields(record),
+        **fields,
+        lp_logged=lp_logged,
         stream=stream,
         text_parts=[p for p in (logged, record.text) if p] or (),
         logged_parts=1 if logged else 0,
         text_chars=len(text),
         text_size=json_size(text),
         held={held.event.seq: held for held in held} if held else NO_HELD,
-        held_bytes=sum(len(h.origin.value) for h in held),
+        held_bytes=sum(h.size for h in held),
     )
 
 
@@ -534,9 +618,10 @@ def restore_state(
     if type(record) is not _CheckedActive and snapshot.version in READABLE_VERSIONS:
         return record  # a marker, as `decode_snapshot` returns it
     if (
-        snapshot.version != SNAPSHOT_VERSION
+        snapshot.version not in (2, SNAPSHOT_VERSION)
         or type(record) is not _CheckedActive
         or record.held
+        or record.logprobs  # its segments carry columns: `decode_snapshot` joins them
         or not snapshot_is_consistent(record.stream)
     ):
         return decode_snapshot(request_id, data, tokenizer_of, segments)
@@ -571,6 +656,64 @@ def _segments_text(request_id: str, count: int, segments: Mapping[int, bytes]) -
     except UnicodeDecodeError as error:
         message = f"request {request_id!r}: a text segment is not UTF-8: {error}"
         raise SnapshotError(message) from None
+
+
+class _HeadFields(msgspec.Struct):
+    """What a failed restore can still read of an active head (`active_head_fields`)."""
+
+    kind: str
+    model: str = ""
+    prompt_tokens: Count = 0
+    generated_tokens: Count = 0
+
+
+class _HeadEnvelope(msgspec.Struct):
+    state: _HeadFields
+
+
+_HEAD_FIELDS_DECODER = msgspec.json.Decoder(_HeadEnvelope)
+
+
+def active_head_fields(value: bytes | None) -> _HeadFields | None:
+    """The model and counts of a changelog value that is an active request's head, read
+    leniently (the value failed to restore); None for anything else, a marker included."""
+    if value is None:
+        return None
+    try:
+        fields = _HEAD_FIELDS_DECODER.decode(value).state
+    except (msgspec.DecodeError, TypeError):
+        return None
+    return fields if fields.kind == "active" and fields.model else None
+
+
+def _logprob_segments(
+    request_id: str, record: ActiveRecord, segments: Mapping[int, bytes]
+) -> tuple[str, tuple[list, list, list, list]]:
+    """The text and the logprob columns of a version 3 head's segments, then its own columns."""
+    texts: list[str] = []
+    columns: tuple[list, list, list, list] = ([], [], [], [])
+    for number in range(record.text_segments):
+        value = segments.get(number)
+        if value is None:
+            raise SnapshotError(
+                f"request {request_id!r}: text segment {number} of {record.text_segments} "
+                f"is missing"
+            )
+        try:
+            segment = _LOGPROB_SEGMENT_DECODER.decode(value)
+        except msgspec.DecodeError as error:
+            raise SnapshotError(
+                f"request {request_id!r}: logprob segment {number}: {error}"
+            ) from None
+        texts.append(segment.text)
+        parts = (segment.ids, segment.values, segment.tops, segment.offsets)
+        if len({len(part) for part in parts}) != 1:
+            raise SnapshotError(f"request {request_id!r}: logprob segment {number}: ragged")
+        for column, part in zip(columns, parts, strict=True):
+            column += part
+    for column, name in zip(columns, _COLUMNS, strict=True):
+        column += getattr(record, name)
+    return "".join(texts), columns
 
 
 def _version_of(data: bytes) -> int | None:
@@ -610,5 +753,5 @@ def _held_events(request_id: str, record: ActiveRecord) -> list[HeldEvent]:
                 f"request {request_id!r}: held record at offset {item.offset} is not a later "
                 f"event of this request"
             )
-        events.append(HeldEvent(event, origin))
+        events.append(HeldEvent(event, origin, held_size(origin)))
     return events

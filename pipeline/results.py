@@ -7,6 +7,7 @@ them. `Origin` is the one thing the processor needs of where an event came from.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -156,3 +157,18 @@ class BatchResult:
     events_after_stop: int = 0
     # Request ids whose state changed (or was removed): the worker snapshots exactly these.
     touched: set[str] = field(default_factory=set)
+
+    def merge(self, part: BatchResult) -> None:
+        """Add another result to this one, field by field (lists, counts, sets, per-type
+        dicts)."""
+        for item in dataclasses.fields(self):
+            mine, theirs = getattr(self, item.name), getattr(part, item.name)
+            if isinstance(mine, list):
+                mine.extend(theirs)
+            elif isinstance(mine, set):
+                mine |= theirs
+            elif isinstance(mine, dict):
+                for key, count in theirs.items():
+                    mine[key] = mine.get(key, 0) + count
+            else:
+                setattr(self, item.name, mine + theirs)

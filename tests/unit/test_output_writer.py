@@ -9,7 +9,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from pipeline.processor import DeadLetter
+from pipeline.processor import BatchResult, DeadLetter
 from schemas.events import DeadLetterReason
 from tests.unit.fake_records import FakeMessage
 from workers.kafka.origin import KafkaOrigin
@@ -41,8 +41,11 @@ class FailingProcessor:
     def __init__(self) -> None:
         self.failed: dict[str, DeadLetterReason] = {}
 
-    def mark_failed(self, request_id: str, reason: DeadLetterReason) -> None:
+    def mark_failed(
+        self, request_id: str, reason: DeadLetterReason, *, message: str | None = None
+    ) -> BatchResult:
         self.failed[request_id] = reason
+        return BatchResult()
 
     def changelog_records(self, request_id: str) -> list[tuple[bytes, bytes | None]]:
         if request_id not in self.failed:

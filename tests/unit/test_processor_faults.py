@@ -208,8 +208,10 @@ def test_ttl_runs_on_event_time_so_a_backlog_does_not_expire_requests(registry) 
     later = [tokens(2, "c", "lagging"), finish(3, "lagging")]
     done = run_records(processor, *later, now=5_001.0, timestamp_ms=1_050_000)
     assert [(c.request_id, c.status, c.text) for c in done.completions] == [("lagging", "ok", "ac")]
-    # Caught up: the reference is the wall clock.
-    expired = processor.expire(5_002.0)
+    # Caught up: the reference is the wall clock, and "idle" was consumed at 5,000 s: idle
+    # for the TTL from then (issue 32 item 3: its records' own times are not its clock).
+    assert processor.expire(5_002.0).touched == set()
+    expired = processor.expire(5_060.0)
     assert [(c.request_id, c.status) for c in expired.completions] == [("idle", "failed")]
     assert "ttl_expired" in reasons(expired)
 

@@ -32,7 +32,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from pipeline.processor import DeadLetter
+from pipeline.processor import BatchResult, DeadLetter
 from pipeline.request_state import SEGMENT_SEPARATOR, split_changelog_key
 from schemas.events import DeadLetterReason
 from workers.kafka.clients import KafkaConnection, make_consumer
@@ -116,7 +116,7 @@ class RestoreTarget(Protocol):
     def restore(
         self, request_id: str, snapshot: bytes | None, segments: Mapping[int, bytes] | None = None
     ) -> None: ...
-    def mark_failed(self, request_id: str, reason: DeadLetterReason) -> None: ...
+    def fail_restore(self, request_id: str, value: bytes | None, message: str) -> BatchResult: ...
 
 
 @dataclass
@@ -126,6 +126,8 @@ class Restored:
     owners: dict[str, int] = field(default_factory=dict)  # request id -> partition
     failed: list[DeadLetter] = field(default_factory=list)
     records: int = 0
+    # What failing the requests of `failed` gave (`fail_restore`): their failed completions.
+    failed_requests: BatchResult = field(default_factory=BatchResult)
 
 
 def settled_commits(
@@ -314,18 +316,20 @@ def apply_latest(
             if value is not None:
                 owners[request_id] = message.partition()
         except Exception as error:  # the per-record rule: any failure fails this record only
+            text = f"changelog record cannot be restored: {error}"
             restored.failed.append(
                 DeadLetter(
                     DeadLetterReason.RESTORE_FAILED,
                     type(error).__name__,
-                    f"changelog record cannot be restored: {error}",
+                    text,
                     request_id,
                     None,
                     KafkaOrigin(message),
                 )
             )
             if request_id is not None:
-                target.mark_failed(request_id, DeadLetterReason.RESTORE_FAILED)
+                failed = target.fail_restore(request_id, message.value(), text)
+                restored.failed_requests.merge(failed)
                 owners[request_id] = message.partition()
                 if own_segments:
                     # Its segments can never be read now: tombstones with its failed marker.

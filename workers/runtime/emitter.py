@@ -232,7 +232,9 @@ class Emitter:
             return self.processor.changelog_records(request_id)
         except Exception as error:
             log.warning("snapshot of request %s failed: %r", request_id, error)
-            self.processor.mark_failed(request_id, DeadLetterReason.UNEXPECTED_ERROR)
+            self.writer.write_failure(
+                self.processor.mark_failed(request_id, DeadLetterReason.UNEXPECTED_ERROR)
+            )
             letter = unexpected(error, None, request_id, None)
             self.writer.write_stand_in(letter, keep_original=True)
             return self.processor.changelog_records(request_id)

@@ -253,6 +253,8 @@ class Membership:
         restored = apply_latest(latest, self.processor, committed_input)
         del latest  # a million records, for a million open requests: freed before going on
         self.ownership.owners.update(restored.owners)
+        # Failed completions of heads that did not restore (issue 32: one completion each).
+        self.emitter.emit(restored.failed_requests)
         for letter in restored.failed:
             self.emitter.dead_letter(letter)
             if letter.request_id is not None:

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from pipeline.dead_letter_reasons import REASONS
-from pipeline.processor import DeadLetter
-from schemas.events import DeadLetterReason
+from pipeline.processor import BatchResult, DeadLetter
+from schemas.events import DeadLetterReason, dump_json
 from workers.kafka.clients import produce
 from workers.kafka.dead_letters import dead_letter_headers, dead_letter_key
 from workers.kafka.topic_names import TopicNames
@@ -42,7 +42,9 @@ SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE})
 class FailsRequests(Protocol):
     """What the writer needs of the processor to fail a request whose output cannot be written."""
 
-    def mark_failed(self, request_id: str, reason: DeadLetterReason) -> None: ...
+    def mark_failed(
+        self, request_id: str, reason: DeadLetterReason, *, message: str | None = None
+    ) -> BatchResult: ...
     def changelog_records(self, request_id: str) -> list[tuple[bytes, bytes | None]]: ...
 
 
@@ -108,6 +110,23 @@ class OutputWriter:
                     raise FatalWorkerError(f"producing to {output.topic}: {failure}") from None
         self._too_large(output)
 
+    def write_failure(self, result: BatchResult) -> None:
+        """Produce at once what failing a request during a commit gave (`mark_failed`): its
+        final delta, its failed completion and its dead letters go out in the same transaction
+        as its failed marker, never the marker alone (issue 32 item 1)."""
+        for delta in result.deltas:
+            key = delta.request_id.encode()
+            self.write(
+                Output(self.topics.deltas, key, delta.to_wire_json(), request_id=delta.request_id)
+            )
+        for completion in result.completions:
+            key = completion.request_id.encode()
+            value = dump_json(completion)
+            self.write(Output(self.topics.completions, key, value, request_id=key.decode()))
+        for letter in result.dead_letters:
+            self.write(self.dead_letter(letter))
+        self.metrics.observe_outputs(result)
+
     def write_stand_in(self, letter: DeadLetter, *, keep_original: bool) -> None:
         """Produce a valueless dead letter at once: it stands in for a record that could not be
         written, during a commit (the checkpoint's records are already being produced)."""
@@ -147,7 +166,11 @@ class OutputWriter:
         if output.topic == self.topics.dead_letters:
             message += "; the input record keeps the original bytes"
         elif output.topic == self.topics.changelog and request_id is not None:
-            self.processor.mark_failed(request_id, DeadLetterReason.OUTPUT_TOO_LARGE)
+            self.write_failure(
+                self.processor.mark_failed(
+                    request_id, DeadLetterReason.OUTPUT_TOO_LARGE, message=message
+                )
+            )
             # The marker under the request's head key, tombstones for its text segments.
             for key, value in self.processor.changelog_records(request_id):
                 self.write(

@@ -18,7 +18,6 @@ interface, so tests feed it generated records.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +41,9 @@ class ProcessorCalls(Protocol):
     """What record handling needs of the processor (contract 4)."""
 
     def process(self, batch: Sequence[tuple[ParsedEvent, Any]], now: float) -> BatchResult: ...
-    def mark_failed(self, request_id: str, reason: DeadLetterReason) -> None: ...
+    def mark_failed(
+        self, request_id: str, reason: DeadLetterReason, *, message: str | None = None
+    ) -> BatchResult: ...
 
 
 @dataclass
@@ -177,29 +178,16 @@ def process_guarded(
     merged = BatchResult()
     for event, origin in batch:
         try:
-            merge_into(merged, processor.process([(event, origin)], now))
+            merged.merge(processor.process([(event, origin)], now))
         except MemoryError:
             raise
         except Exception as error:
             dead_letters.append(unexpected(error, origin, event.request_id, event.seq))
-            processor.mark_failed(event.request_id, DeadLetterReason.UNEXPECTED_ERROR)
-            merged.touched.add(event.request_id)
+            failed = processor.mark_failed(
+                event.request_id, DeadLetterReason.UNEXPECTED_ERROR, message=f"{error!r}"
+            )
+            merged.merge(failed)  # its failed completion, its held events
     return merged
-
-
-def merge_into(total: BatchResult, part: BatchResult) -> None:
-    """Add one `BatchResult` to another, field by field (lists, counts, sets, per-type dicts)."""
-    for item in dataclasses.fields(total):
-        mine, theirs = getattr(total, item.name), getattr(part, item.name)
-        if isinstance(mine, list):
-            mine.extend(theirs)
-        elif isinstance(mine, set):
-            mine |= theirs
-        elif isinstance(mine, dict):
-            for key, count in theirs.items():
-                mine[key] = mine.get(key, 0) + count
-        else:
-            setattr(total, item.name, mine + theirs)
 
 
 def _timestamp_ms(message: Any) -> int | None:

@@ -1,0 +1,215 @@
+"""Outcomes: what leaves the processor for a request, in one place.
+
+Text deltas, completions, filtered-id records and dead letters are made here, and so is a
+request's end: its completion, its marker in place of its state, its held events dead-lettered
+(each record one fate), its changelog segments retired. The failure paths
+(`pipeline.requests.failures`) and the expiry (`pipeline.requests.expiry`) end requests through
+it; the processor's own decode path publishes through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+from pipeline.dead_letter_reasons import REASONS
+from pipeline.logprobs import LogprobEntry, logprobs_model
+from pipeline.request_state import (
+    ActiveRequest,
+    FailedRequest,
+    FinishedRequest,
+    HeldEvent,
+    RequestState,
+    RestoredRequest,
+    json_prefix,
+)
+from pipeline.results import BatchResult, DeadLetter, Delta, Origin
+from pipeline.stages.logprobs import all_entries, new_entries
+from pipeline.tokenizer_registry import TokenizerRegistry
+from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord
+from schemas.fast_events import ParsedEvent, ParsedFinish
+
+
+class Outcomes:
+    """Publishes a request's results into a `BatchResult` and ends requests.
+
+    Shares the processor's table of requests and of retired segments (the same dicts), so that
+    ending a request here is ending it for the processor.
+    """
+
+    def __init__(
+        self,
+        requests: dict[str, RequestState | RestoredRequest],
+        retired_segments: dict[str, int],
+        registry: TokenizerRegistry,
+        max_text_bytes: int | None,
+    ) -> None:
+        self.requests = requests
+        self.retired_segments = retired_segments
+        self.registry = registry
+        self.max_text_bytes = max_text_bytes
+
+    @staticmethod
+    def dead_letter(
+        result: BatchResult,
+        reason: DeadLetterReason,
+        event: ParsedEvent,
+        origin: Origin,
+        message: str,
+        error_class: str | None = None,
+    ) -> None:
+        result.dead_letters.append(
+            DeadLetter(
+                reason,
+                error_class or REASONS[reason].error_class_name,
+                message,
+                event.request_id,
+                event.seq,
+                origin,
+            )
+        )
+
+    def dead_letter_all(
+        self,
+        result: BatchResult,
+        reason: DeadLetterReason,
+        events: Iterable[HeldEvent],
+        message: str,
+    ) -> None:
+        for held in events:
+            self.dead_letter(result, reason, held.event, held.origin, message)
+
+    def dead_letter_held(
+        self, result: BatchResult, state: ActiveRequest, reason: DeadLetterReason, message: str
+    ) -> None:
+        """Dead-letter every event the request holds, in seq order, and let go of them."""
+        held = state.held
+        self.dead_letter_all(result, reason, (held[seq] for seq in sorted(held)), message)
+        state.release_held()
+
+    def publish_delta(
+        self,
+        request_id: str,
+        state: ActiveRequest,
+        seq: int,
+        text: str,
+        final: bool,
+        entries: list[LogprobEntry] | None,
+        result: BatchResult,
+    ) -> None:
+        offset = state.text_chars - len(state.stop_held) - len(text)
+        result.deltas.append(
+            Delta(request_id, state.model, state.delta_start, seq, offset, text, final, entries)
+        )
+        state.delta_start = seq + 1
+
+    def filtered_ids(self, request_id: str, state: ActiveRequest, result: BatchResult) -> None:
+        filtered = state.stream.filtered_prompt_ids
+        if filtered and not state.filtered_ids_sent:
+            state.filtered_ids_sent = True
+            result.filtered_ids.append(
+                FilteredIdsRecord(
+                    request_id=request_id,
+                    model=state.model,
+                    filtered_ids=list(filtered),
+                    filtered_count=len(filtered),
+                    prompt_tokens=state.prompt_tokens,
+                )
+            )
+
+    def fitting(self, state: ActiveRequest, text: str) -> str:
+        """The longest prefix of `text` that keeps the request within `max_text_bytes`."""
+        limit = self.max_text_bytes
+        if limit is None:
+            return text
+        return json_prefix(text, max(limit - state.text_size, 0))
+
+    def completion(
+        self,
+        request_id: str,
+        state: ActiveRequest,
+        status: Literal["ok", "failed"],
+        finish_reason: str | None,
+        error: str | None = None,
+        stop_reason: str | None = None,
+    ) -> Completion:
+        logprobs = None
+        if state.logprobs:
+            # Validated once here into the models; deltas carry the plain entries.
+            logprobs = logprobs_model(all_entries(self.registry, state))
+        return Completion(
+            request_id=request_id,
+            model=state.model,
+            text=state.text(),
+            status=status,
+            finish_reason=finish_reason,
+            prompt_tokens=state.prompt_tokens,
+            generated_tokens=state.generated_tokens,
+            filtered_prompt_ids=list(state.stream.filtered_prompt_ids),
+            error=error,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+        )
+
+    def end_failed(
+        self,
+        request_id: str,
+        state: ActiveRequest,
+        reason: DeadLetterReason,
+        message: str,
+        result: BatchResult,
+        last_delta: tuple[int, int, str] | None = None,
+    ) -> None:
+        """Fail a live request: its final delta (seq, text offset, text) when it has one, a
+        failed completion with the text so far, and the failed marker."""
+        if last_delta is None and state.stop_held:
+            # Text held back for a possible stop string is the request's: it goes out too.
+            seq = state.next_seq - 1
+            state.delta_start = min(state.delta_start, seq)
+            last_delta = (seq, state.text_chars - len(state.stop_held), "")
+        if last_delta is not None:
+            seq, offset, text = last_delta
+            text = state.stop_held + text
+            state.stop_held = ""
+            entries = new_entries(self.registry, state, True, state.text_chars)
+            result.deltas.append(
+                Delta(request_id, state.model, state.delta_start, seq, offset, text, True, entries)
+            )
+        result.completions.append(self.completion(request_id, state, "failed", None, message))
+        marker = FailedRequest(model=state.model, reason=reason, last_event_at=state.last_event_at)
+        self.close(request_id, state, marker, result)
+
+    def close(
+        self, request_id: str, state: ActiveRequest, marker: RequestState, result: BatchResult
+    ) -> None:
+        """Replace an active request by its marker; held events can never be applied now."""
+        if type(marker) is FinishedRequest and marker.stopped and state.held:
+            # Events already held past a stop are events after it, like those still to come.
+            for seq in sorted(state.held):
+                self.after_stop(request_id, marker, state.held[seq].event, result)
+            state.release_held()
+        reason = (
+            DeadLetterReason.EVENT_AFTER_FINISH
+            if isinstance(marker, FinishedRequest)
+            else DeadLetterReason.REQUEST_ALREADY_FAILED
+        )
+        self.dead_letter_held(result, state, reason, "event held for a request that has ended")
+        self.retire(request_id, state)
+        self.requests[request_id] = marker
+        result.touched.add(request_id)
+
+    def retire(self, request_id: str, state: ActiveRequest) -> None:
+        """An active request ends: its text segments are deleted with its next records."""
+        if state.text_segments:
+            self.retired_segments[request_id] = state.text_segments
+
+    def after_stop(
+        self, request_id: str, state: FinishedRequest, event: ParsedEvent, result: BatchResult
+    ) -> None:
+        """An event after a stop string ended the request: consumed and counted; its finish
+        makes the marker a plain finished one (later events are then `event_after_finish`)."""
+        result.events_after_stop += 1
+        state.last_seq = event.seq
+        if type(event) is ParsedFinish:
+            state.stopped = False
+        result.touched.add(request_id)
