@@ -29,9 +29,11 @@ from tests.integration.poison_harness import (
     Pipeline,
     Record,
     WorkerProcess,
+    assert_good_requests_completed,
     dead_letters,
     expected_completions,
     finish,
+    generation_records,
     header_values,
     new_pipeline,
     produce,
@@ -39,8 +41,9 @@ from tests.integration.poison_harness import (
     read_records,
     started_worker,
     tokens,
+    wait_until_consumed,
 )
-from tests.integration.worker_harness import wait_until
+from tests.integration.worker_harness import make_generations, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -163,3 +166,102 @@ def test_item3_a_request_fed_every_second_with_old_timestamps_completes_and_a_st
         for _, _, h in dead_letters(pipeline)
     ]
     assert letters == [([b"stopped"], [b"ttl_expired"])], letters
+
+
+# -- item 2: held events counted as stored, headers included -------------------------------------
+
+CHANGELOG_LIMIT = 1_000_000
+HEADER_BYTES = 128_000  # seven held: ~1.2 MB as a snapshot stores them (base64), past the limit
+HELD_SEQS = range(3, 10)  # seq 2 never comes
+
+
+@pytest.mark.slow  # a worker run
+def test_item2_held_events_with_large_headers_fail_their_request_once_each_one_fate(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Out-of-order tokens events with tiny values and 128 KB headers, behind a gap that never
+    fills, on a changelog that takes 1 MB records: the request gets exactly one failed completion
+    (its text so far), each held record is dead-lettered exactly once with its original bytes,
+    the worker exits 0 and the requests around it complete as `detok run` decodes them."""
+    pipeline = new_pipeline(kafka_bootstrap, tmp_path)
+    _set_changelog_limit(pipeline, CHANGELOG_LIMIT)
+    good = make_generations(10, seed=321)
+    expected = expected_completions(good, tmp_path)
+    text_so_far = _ok_text("hdr", [11, 995], tmp_path)
+    headers = [("trace", b"t" * HEADER_BYTES)]
+    held = [Record(b"hdr", tokens("hdr", seq, [13]), headers=headers) for seq in HELD_SEQS]
+    first = [
+        *generation_records(good[:5]),
+        Record(b"hdr", prompt("hdr", "gpt2", GPT2_HELLO_WORLD)),
+        Record(b"hdr", tokens("hdr", 1, [11, 995])),
+    ]
+    with started_worker(pipeline, "--exit-when-idle", "5") as worker:
+        produce(kafka_bootstrap, pipeline.names.input, first)
+        wait_until_consumed(pipeline, [len(first)])  # seq 1 decoded: the text so far
+        produce(kafka_bootstrap, pipeline.names.input, [*held, *generation_records(good[5:])])
+        _wait_exit_zero(worker)
+
+    assert_good_requests_completed(pipeline, expected)
+    outcomes = [(c["status"], c["text"]) for c in _completion_records(pipeline, "hdr")]
+    assert outcomes == [("failed", text_so_far)], outcomes
+    reasons = _reasons_by_value(pipeline)
+    fates = {record.value: len(reasons.get(record.value, [])) for record in held}
+    assert list(fates.values()) == [1] * len(held), "each held record dead-lettered once"
+    # Counted as stored, the held events fail their request before its snapshot outgrows the
+    # changelog: no snapshot was refused (an `output_too_large` dead letter would say so).
+    assert not any(b"output_too_large" in r for r in reasons.values()), reasons
+
+
+# -- item 1: a failed completion when the changelog refuses a request's record ---------------------
+
+SMALL_CHANGELOG_LIMIT = 20_000
+WIDE_IDS = list(range(300, 1300))  # one tokens event whose top-20 logprobs outgrow the changelog
+
+
+def _logprob_tokens(request_id: str, seq: int, ids: list[int]) -> bytes:
+    top = [[[(i + k) % 50_000, -1.0 - k] for k in range(20)] for i in ids]
+    return json.dumps(
+        {
+            "type": "tokens",
+            "request_id": request_id,
+            "seq": seq,
+            "token_ids": ids,
+            "logprobs": [-0.5] * len(ids),
+            "top_logprobs": top,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+@pytest.mark.slow  # a worker run over two produce rounds
+def test_item1_a_changelog_record_too_large_mid_stream_gives_one_failed_completion(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """A logprobs request whose changelog record outgrows a 20 KB changelog while it is live
+    (its 1,000-token top-20 chunk is committed before its end arrives): exactly one `failed`
+    completion with the text so far, its later events dead-lettered `request_already_failed`,
+    the requests around it complete as `detok run` decodes them, the worker exits 0."""
+    pipeline = new_pipeline(kafka_bootstrap, tmp_path)
+    _set_changelog_limit(pipeline, SMALL_CHANGELOG_LIMIT)
+    good = make_generations(10, seed=322)
+    expected = expected_completions(good, tmp_path)
+    text_so_far = _ok_text("lp", [11, 995, *WIDE_IDS], tmp_path)
+    first = [
+        *generation_records(good[:5]),
+        Record(b"lp", prompt("lp", "gpt2", GPT2_HELLO_WORLD)),
+        Record(b"lp", _logprob_tokens("lp", 1, [11, 995])),
+        Record(b"lp", _logprob_tokens("lp", 2, WIDE_IDS)),
+    ]
+    later = [Record(b"lp", _logprob_tokens("lp", 3, [13])), Record(b"lp", finish("lp", 4))]
+    with started_worker(pipeline, "--exit-when-idle", "5") as worker:
+        produce(kafka_bootstrap, pipeline.names.input, first)
+        wait_until_consumed(pipeline, [len(first)])  # committed with the request still live
+        produce(kafka_bootstrap, pipeline.names.input, [*later, *generation_records(good[5:])])
+        _wait_exit_zero(worker)
+
+    assert_good_requests_completed(pipeline, expected)
+    (completion,) = _completion_records(pipeline, "lp")
+    assert (completion["status"], completion["text"]) == ("failed", text_so_far), completion
+    assert pipeline.names.changelog in completion["error"], "failed by the changelog's refusal"
+    reasons = _reasons_by_value(pipeline)
+    assert [reasons.get(record.value) for record in later] == [[b"request_already_failed"]] * 2
