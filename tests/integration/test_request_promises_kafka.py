@@ -196,6 +196,7 @@ def test_item2_held_events_with_large_headers_fail_their_request_once_each_one_f
         Record(b"hdr", tokens("hdr", 1, [11, 995])),
     ]
     with started_worker(pipeline, "--exit-when-idle", "5") as worker:
+        _live_worker(worker)  # its group's coordinator answers the offset lookups from then on
         produce(kafka_bootstrap, pipeline.names.input, first)
         wait_until_consumed(pipeline, [len(first)])  # seq 1 decoded: the text so far
         produce(kafka_bootstrap, pipeline.names.input, [*held, *generation_records(good[5:])])
@@ -254,6 +255,7 @@ def test_item1_a_changelog_record_too_large_mid_stream_gives_one_failed_completi
     ]
     later = [Record(b"lp", _logprob_tokens("lp", 3, [13])), Record(b"lp", finish("lp", 4))]
     with started_worker(pipeline, "--exit-when-idle", "5") as worker:
+        _live_worker(worker)  # its group's coordinator answers the offset lookups from then on
         produce(kafka_bootstrap, pipeline.names.input, first)
         wait_until_consumed(pipeline, [len(first)])  # committed with the request still live
         produce(kafka_bootstrap, pipeline.names.input, [*later, *generation_records(good[5:])])
