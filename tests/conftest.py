@@ -59,8 +59,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's, which adds a test's xdist_group to its id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the modules with slow integration tests first, then the other integration modules,
-    then the rest, each module's tests in their own order.
+    """Run the modules with slow tests first (those outside integration/, single long CPU-bound
+    tests, before the integration ones), then the other integration modules, then the rest,
+    each module's tests in their own order.
 
     Under pytest-xdist the long tests then start at once instead of being handed out last and
     leaving one worker process busy while the others wait; run serially, only the order of the
@@ -68,11 +69,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     once).
     """
     _check_xdist_groups(config, items)
-    rank: dict[str, int] = {}
+    rank: dict[str, tuple[int, bool]] = {}
     for item in items:
         integration = item.get_closest_marker("integration") is not None
         slow = item.get_closest_marker("slow") is not None
-        mine = 0 if integration and slow else 1 if integration else 2
+        mine = (0 if slow else 1 if integration else 2, integration)
         module = item.nodeid.split("::", 1)[0]
         rank[module] = min(rank.get(module, mine), mine)
     items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])  # stable: order kept
