@@ -4,6 +4,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
+# The tests run in this many pytest-xdist processes: most of the suite waits (on brokers, worker
+# subprocesses, fault timers), so on 2 cores four processes keep both busy. Each process is a
+# test session of its own with its own local broker (tests/integration/conftest.py);
+# `--dist loadgroup` keeps the tests that share a module's broker or cluster (their xdist_group
+# mark) in one process. PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 4
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+
 .PHONY: setup prometheus test test-fast lint demo clean
 
 setup: $(VENV)/.installed
@@ -26,11 +34,11 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 test: lint prometheus
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 # Everything but the slow fault tests: a few minutes, for the edit-test loop.
 test-fast: lint
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 demo: setup
 	$(BIN)/detok demo

@@ -7,14 +7,15 @@ Where it comes from, in order:
    free port pair with a fresh data directory under `.kafka-local/`, and stopped at session end.
 
 One broker per session: starting one costs seconds, and tests isolate themselves with unique topic
-and group names instead. With no broker, tests are skipped locally and fail in CI (`CI=true`).
+and group names instead. Under pytest-xdist (`make test`) each xdist worker process is a session
+of its own, so each starts its own broker on its own ports and data directory. With no broker,
+tests are skipped locally and fail in CI (`CI=true`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -121,14 +122,14 @@ def _local_broker() -> Iterator[KafkaUnderTest]:
 
 
 def free_port_pair() -> int:
-    """A loopback port P with P+1 also free (the broker's client and controller ports)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((broker.LOOPBACK, 0))
-            port = probe.getsockname()[1]
-        if port < 65535 and broker.port_is_free(port) and broker.port_is_free(port + 1):
-            return port
-    raise RuntimeError("no free loopback port pair found in 100 tries")
+    """A loopback port P with P+1 also free (the broker's client and controller ports).
+
+    Drawn at random below the kernel's ephemeral range (`broker.free_port_block`), not from a
+    bind to port 0: under pytest-xdist several sessions pick ports at once, and a port just
+    handed out by the kernel (P+1 especially) may meanwhile become the local end of any
+    outgoing connection, or the next session's pick.
+    """
+    return broker.free_port_block(2)
 
 
 def unique_name(prefix: str) -> str:

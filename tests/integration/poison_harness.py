@@ -385,9 +385,13 @@ def assert_good_requests_completed(pipeline: Pipeline, expected: dict[str, dict]
     assert not wrong, f"{len(wrong)} good requests completed wrongly: {wrong[:5]}"
 
 
-def wait_for_keys(bootstrap: str, topic: str, keys: set[bytes]) -> dict[bytes, bytes | None]:
-    """Re-read `topic` until every key in `keys` has a committed record; the latest values."""
-    deadline = time.monotonic() + WAIT_BOUND_S
+def wait_for_keys(
+    bootstrap: str, topic: str, keys: set[bytes], bound_s: float = WAIT_BOUND_S
+) -> dict[bytes, bytes | None]:
+    """Re-read `topic` until every key in `keys` has a committed record; the latest values.
+
+    `bound_s` only turns a hang into a failure."""
+    deadline = time.monotonic() + bound_s
     while True:
         latest = {record.key: record.value for record in read_records(bootstrap, topic)}
         if keys <= set(latest):

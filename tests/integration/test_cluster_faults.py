@@ -57,6 +57,12 @@ from workers.local import broker
 from workers.runtime.output_limits import OutputLimits, TopicsUnavailable, read_output_limits
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Under pytest-xdist the tests run in two halves of about equal length, each in one process with
+# its own cluster (the module's fixture): one cluster for all of them made this module alone
+# longer than the rest of the suite spread over the other processes. Run serially, one cluster
+# serves both halves.
+CLUSTER_A = pytest.mark.xdist_group("cluster-a")
+CLUSTER_B = pytest.mark.xdist_group("cluster-b")
 
 BROKERS = 3
 # A few thousand requests: ~7,000 events, long enough at REPLAY_RATE for the fault to land
@@ -347,6 +353,7 @@ def throughput_dip(baseline: float, lowest: float) -> str:
 # -- the faults --------------------------------------------------------------------------------
 
 
+@CLUSTER_A
 def test_kill_9_the_leader_of_input_partition_0(all_up, tmp_path: Path) -> None:
     def fault(run: Run) -> None:
         leader = partition_leader(run.bootstrap, run.names.input, 0)
@@ -357,6 +364,7 @@ def test_kill_9_the_leader_of_input_partition_0(all_up, tmp_path: Path) -> None:
     run_with_fault(all_up, tmp_path, fault, "kill -9 leader of input partition 0", seed=101)
 
 
+@CLUSTER_B
 def test_kill_9_the_transaction_coordinator_of_a_worker(all_up, tmp_path: Path) -> None:
     def fault(run: Run) -> None:
         coordinator = transaction_coordinator(run.bootstrap, run.transactional_id("w0"))
@@ -367,6 +375,7 @@ def test_kill_9_the_transaction_coordinator_of_a_worker(all_up, tmp_path: Path) 
     run_with_fault(all_up, tmp_path, fault, "kill -9 transaction coordinator of w0", seed=102)
 
 
+@CLUSTER_A
 def test_rolling_restart_of_all_three_brokers(all_up, tmp_path: Path) -> None:
     def fault(run: Run) -> None:
         for node_id in run.cluster.node_ids:
@@ -376,6 +385,7 @@ def test_rolling_restart_of_all_three_brokers(all_up, tmp_path: Path) -> None:
     run_with_fault(all_up, tmp_path, fault, "rolling restart of all three", seed=103)
 
 
+@CLUSTER_B
 def test_all_three_brokers_down_for_20_s(all_up, tmp_path: Path) -> None:
     def fault(run: Run) -> None:
         broker.stop_cluster(run.cluster.data_dir)
@@ -385,6 +395,7 @@ def test_all_three_brokers_down_for_20_s(all_up, tmp_path: Path) -> None:
     run_with_fault(all_up, tmp_path, fault, "all three down 20 s", seed=104)
 
 
+@CLUSTER_A
 def test_sigstop_one_broker_past_the_session_timeout(all_up, tmp_path: Path) -> None:
     def fault(run: Run) -> None:
         leader = partition_leader(run.bootstrap, run.names.input, 0)
@@ -398,6 +409,7 @@ def test_sigstop_one_broker_past_the_session_timeout(all_up, tmp_path: Path) -> 
     run_with_fault(all_up, tmp_path, fault, "SIGSTOP leader 15 s", seed=105)
 
 
+@CLUSTER_B
 def test_kill_9_a_worker_while_a_broker_is_down(all_up, tmp_path: Path) -> None:
     def fault(run: Run) -> None:
         leader = partition_leader(run.bootstrap, run.names.input, 0)
@@ -412,6 +424,7 @@ def test_kill_9_a_worker_while_a_broker_is_down(all_up, tmp_path: Path) -> None:
     run_with_fault(all_up, tmp_path, fault, "kill -9 worker while a broker is down", seed=106)
 
 
+@CLUSTER_B
 def test_topic_configs_are_read_while_a_broker_is_down(all_up: broker.ClusterLayout) -> None:
     """The worker's start-up read of its topics' limits (eight fresh clients) and `detok topics
     ensure`'s read of their configurations (eight), all at once, right after one broker of three
@@ -466,6 +479,7 @@ def run_detok(*arguments: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@CLUSTER_A
 def test_broker_commands_drive_the_cluster_node_by_node(all_up) -> None:
     data_dir = str(all_up.data_dir)
     again = run_detok(
@@ -493,6 +507,7 @@ def test_broker_commands_drive_the_cluster_node_by_node(all_up) -> None:
     assert broker.metadata_brokers(all_up.bootstrap_servers) == {1, 2, 3}
 
 
+@CLUSTER_A
 def test_topics_on_the_cluster_are_replicated_three_times_with_two_in_sync(all_up) -> None:
     names = pipeline_topics(all_up.bootstrap_servers)
     admin = AdminClient({"bootstrap.servers": all_up.bootstrap_servers})

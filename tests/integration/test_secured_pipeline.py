@@ -45,7 +45,8 @@ from workers.kafka.topic_names import TopicNames
 from workers.local import broker
 from workers.local.secure_broker import SecureBroker, client_properties, start_secure_broker
 
-pytestmark = pytest.mark.integration
+# One process under pytest-xdist: the module's tests share its secured broker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("secured-broker")]
 
 # What the acceptance asks of a refused client: gone, non-zero, within 30 s (a worker loads its
 # tokenizers first, then is refused within a second or two). A bound on a hang, not a speed test.
