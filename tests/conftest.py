@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from workers import broker
+from workers.local import broker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DIR = Path(os.environ.get("DETOK_SHARED_DIR", REPO_ROOT.parent / "shared"))
