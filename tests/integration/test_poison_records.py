@@ -12,15 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from confluent_kafka.admin import (
-    AdminClient,
-    AlterConfigOpType,
-    ConfigEntry,
-    ConfigResource,
-    ResourceType,
-)
 
-from tests.integration.conftest import WAIT_BOUND_S
 from tests.integration.poison_harness import (
     Pipeline,
     Record,
@@ -37,6 +29,7 @@ from tests.integration.poison_harness import (
     prompt,
     reasons_of,
     run_worker_until_idle,
+    set_max_message_bytes,
     tokens,
 )
 from tests.integration.worker_harness import make_generations
@@ -100,24 +93,6 @@ def _has_output_too_large(pipeline: Pipeline, request_id: str) -> bool:
         and header_values(headers, "__detok.errors.request_id") == [request_id.encode()]
         for _, _, headers in dead_letters(pipeline)
     )
-
-
-def _allow_large_records(bootstrap: str, topic: str, max_bytes: int) -> None:
-    """What an operator does to let bigger records in: raise the topic's own limit."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    resource = ConfigResource(
-        ResourceType.TOPIC,
-        topic,
-        incremental_configs=[
-            ConfigEntry(
-                "max.message.bytes",
-                str(max_bytes),
-                incremental_operation=AlterConfigOpType.SET,
-            )
-        ],
-    )
-    for future in admin.incremental_alter_configs([resource]).values():
-        future.result(timeout=WAIT_BOUND_S)
 
 
 @pytest.mark.slow  # two worker runs
@@ -263,7 +238,7 @@ def test_item2_200k_id_prompt_on_a_topic_that_allows_it_is_held_over_a_commit(
     whose first tokens come only in the second run, so its state is snapshotted in between.
     Either the request completes, or it alone fails with `output_too_large`."""
     pipeline = new_pipeline(kafka_bootstrap, tmp_path)
-    _allow_large_records(kafka_bootstrap, pipeline.names.input, 4_000_000)
+    set_max_message_bytes(kafka_bootstrap, pipeline.names.input, 4_000_000)
     request = {
         "request_id": "wide",
         "model": "gpt2",

@@ -16,15 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka.admin import (
-    AdminClient,
-    AlterConfigOpType,
-    ConfigEntry,
-    ConfigResource,
-    ResourceType,
-)
 
-from tests.integration.conftest import WAIT_BOUND_S
 from tests.integration.poison_harness import (
     Pipeline,
     Record,
@@ -39,6 +31,7 @@ from tests.integration.poison_harness import (
     produce,
     prompt,
     read_records,
+    set_max_message_bytes,
     started_worker,
     tokens,
     wait_until_consumed,
@@ -50,20 +43,6 @@ pytestmark = pytest.mark.integration
 GPT2_HELLO_WORLD = [15496, 995]  # "Hello world"
 REASON = "__detok.errors.reason"
 REQUEST_ID = "__detok.errors.request_id"
-
-
-def _set_changelog_limit(pipeline: Pipeline, max_bytes: int) -> None:
-    """Lower the changelog's `max.message.bytes` after `topics ensure` (which raises a lower one),
-    as an operator's cluster policy may: what the worker reads at start and sizes by."""
-    admin = AdminClient({"bootstrap.servers": pipeline.bootstrap})
-    entry = ConfigEntry(
-        "max.message.bytes", str(max_bytes), incremental_operation=AlterConfigOpType.SET
-    )
-    resource = ConfigResource(
-        ResourceType.TOPIC, pipeline.names.changelog, incremental_configs=[entry]
-    )
-    for future in admin.incremental_alter_configs([resource]).values():
-        future.result(timeout=WAIT_BOUND_S)
 
 
 def _completion_records(pipeline: Pipeline, request_id: str) -> list[dict]:
@@ -184,7 +163,7 @@ def test_item2_held_events_with_large_headers_fail_their_request_once_each_one_f
     (its text so far), each held record is dead-lettered exactly once with its original bytes,
     the worker exits 0 and the requests around it complete as `detok run` decodes them."""
     pipeline = new_pipeline(kafka_bootstrap, tmp_path)
-    _set_changelog_limit(pipeline, CHANGELOG_LIMIT)
+    set_max_message_bytes(pipeline.bootstrap, pipeline.names.changelog, CHANGELOG_LIMIT)
     good = make_generations(10, seed=321)
     expected = expected_completions(good, tmp_path)
     text_so_far = _ok_text("hdr", [11, 995], tmp_path)
@@ -243,7 +222,7 @@ def test_item1_a_changelog_record_too_large_mid_stream_gives_one_failed_completi
     completion with the text so far, its later events dead-lettered `request_already_failed`,
     the requests around it complete as `detok run` decodes them, the worker exits 0."""
     pipeline = new_pipeline(kafka_bootstrap, tmp_path)
-    _set_changelog_limit(pipeline, SMALL_CHANGELOG_LIMIT)
+    set_max_message_bytes(pipeline.bootstrap, pipeline.names.changelog, SMALL_CHANGELOG_LIMIT)
     good = make_generations(10, seed=322)
     expected = expected_completions(good, tmp_path)
     text_so_far = _ok_text("lp", [11, 995, *WIDE_IDS], tmp_path)
