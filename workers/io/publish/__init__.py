@@ -5,7 +5,7 @@ that numbers, keys and coalesces events; docs/engines.md shows an engine loop.
 """
 
 from workers.io.publish.aio import AsyncPublisher, StepOutput
-from workers.io.publish.events import RequestEvents, RequestStateError
+from workers.io.publish.events import PromptOptions, RequestEvents, RequestStateError
 from workers.io.publish.publisher import (
     DEFAULT_LINGER_S,
     FailedRecord,
@@ -20,6 +20,7 @@ __all__ = [
     "PublishFailed",
     "Publisher",
     "RequestEvents",
+    "PromptOptions",
     "RequestStateError",
     "StepOutput",
 ]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
+from workers.io.publish.events import PromptOptions
 from workers.io.publish.publisher import Publisher
 from workers.kafka.clients import DeliveryReport
 
@@ -52,21 +53,14 @@ class AsyncPublisher:
         request_id: str,
         model: str,
         prompt_token_ids: Sequence[int],
-        *,
-        skip_special_tokens: bool = True,
-        stop: Sequence[str] | None = None,
-        include_stop_str_in_output: bool = False,
-        prompt_tokens: int | None = None,
+        **options: Unpack[PromptOptions],
     ) -> None:
         """`Publisher.open`."""
         self.publisher.open(
             request_id,
             model,
             prompt_token_ids,
-            skip_special_tokens=skip_special_tokens,
-            stop=stop,
-            include_stop_str_in_output=include_stop_str_in_output,
-            prompt_tokens=prompt_tokens,
+            **options,
         )
 
     async def append(

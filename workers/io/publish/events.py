@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import msgspec
 
@@ -32,6 +33,16 @@ LOG = logging.getLogger("detok.publish")
 
 # Where records go: (key, value, seq). The seq lets a delivery failure name its event.
 Sink = Callable[[bytes, bytes, int], None]
+
+
+class PromptOptions(TypedDict, total=False):
+    """The prompt event's optional fields (docs/decode-options.md), named once: `Publisher.open`
+    and `AsyncPublisher.open` pass them on to `RequestEvents.open`, which checks them."""
+
+    skip_special_tokens: bool
+    stop: Sequence[str] | None
+    include_stop_str_in_output: bool
+    prompt_tokens: int | None
 
 
 class RequestStateError(ValueError):

@@ -23,11 +23,11 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from confluent_kafka import KafkaError, KafkaException, Message
 
-from workers.io.publish.events import LOG, RequestEvents
+from workers.io.publish.events import LOG, PromptOptions, RequestEvents
 from workers.kafka.clients import (
     METADATA_TIMEOUT_S,
     DeliveryReport,
@@ -150,11 +150,7 @@ class Publisher:
         request_id: str,
         model: str,
         prompt_token_ids: Sequence[int],
-        *,
-        skip_special_tokens: bool = True,
-        stop: Sequence[str] | None = None,
-        include_stop_str_in_output: bool = False,
-        prompt_tokens: int | None = None,
+        **options: Unpack[PromptOptions],
     ) -> None:
         """Open a request: its prompt event (seq 0), with the prompt event's optional fields
         (docs/decode-options.md). Raises msgspec.ValidationError for a value outside the schema's
@@ -165,10 +161,7 @@ class Publisher:
                 request_id,
                 model,
                 prompt_token_ids,
-                skip_special_tokens=skip_special_tokens,
-                stop=stop,
-                include_stop_str_in_output=include_stop_str_in_output,
-                prompt_tokens=prompt_tokens,
+                **options,
             )
 
     def append(
