@@ -20,7 +20,7 @@ from pipeline.results import BatchResult, DeadLetter, Header
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import Completion, DeadLetterReason, LoggedGeneration
 from schemas.fast_events import ParsedEvent
-from schemas.validation import MAX_MESSAGE_CHARS, Rejection, is_record_fault
+from schemas.validation import MAX_MESSAGE_CHARS, Rejection, is_row_fault
 
 # Requests decoded together. Each round pushes one chunk of every request in the window through
 # one batched decode, as a worker's consumed batch would; 256 keeps state small and rounds large
@@ -127,7 +127,7 @@ def _events_of(
     try:
         return generation.request_id, generation_events(generation, chunk_size)
     except BaseException as error:
-        if not is_record_fault(error) or isinstance(error, MemoryError):
+        if not is_row_fault(error):
             raise
         message = str(error)[:MAX_MESSAGE_CHARS]
         return Rejection(DeadLetterReason.UNEXPECTED_ERROR, type(error).__name__, message)

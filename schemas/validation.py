@@ -71,7 +71,7 @@ def parse_event(raw: bytes | str) -> ParsedEvent | Rejection:
     try:
         return decode_event(raw)
     except BaseException as error:  # a refusal or a failure: either way, the contract judges
-        if not is_record_fault(error) or isinstance(error, MemoryError):
+        if not is_row_fault(error):
             raise
     try:
         model = INPUT_EVENT_ADAPTER.validate_json(raw)
@@ -79,7 +79,7 @@ def parse_event(raw: bytes | str) -> ParsedEvent | Rejection:
     except ValidationError as error:
         return _rejection(error)
     except BaseException as error:  # the rule: any error of one record rejects that record
-        if not is_record_fault(error) or isinstance(error, MemoryError):
+        if not is_row_fault(error):
             raise
         return _unexpected(error)
 
@@ -93,7 +93,7 @@ def parse_model(model: type[M] | TypeAdapter, raw: bytes | str) -> M | Rejection
     except ValidationError as error:
         return _rejection(error)
     except BaseException as error:  # as in `parse_event`
-        if not is_record_fault(error) or isinstance(error, MemoryError):
+        if not is_row_fault(error):
             raise
         return _unexpected(error)
 
@@ -107,6 +107,13 @@ def is_record_fault(error: BaseException) -> bool:
     would meet the same record at every restart. Interrupts and exits are never a record's.
     """
     return isinstance(error, Exception) or type(error).__name__ == "PanicException"
+
+
+def is_row_fault(error: BaseException) -> bool:
+    """Whether an exception met while reading or parsing one input row rejects that row alone:
+    a record's fault (`is_record_fault`) other than running out of memory, which is the
+    process's and must end it rather than dead-letter row after row."""
+    return is_record_fault(error) and not isinstance(error, MemoryError)
 
 
 def _unexpected(error: BaseException) -> Rejection:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from pipeline.records import Position, SourceRecord
 from schemas.events import Completion, DeadLetterReason, LoggedGeneration
-from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify, is_record_fault
+from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify, is_row_fault
 from workers.formats.base import LineOf, RequestFailure
 
 # OpenAI's Completion admits only these finish reasons. A log without one (None) or with a
@@ -168,7 +168,7 @@ def _guarded(line: bytes) -> LoggedGeneration | Rejection:
     try:
         return _generation_of(line)
     except BaseException as error:
-        if not is_record_fault(error) or isinstance(error, MemoryError):
+        if not is_row_fault(error):
             raise
         return Rejection(
             DeadLetterReason.UNEXPECTED_ERROR, type(error).__name__, str(error)[:MAX_MESSAGE_CHARS]

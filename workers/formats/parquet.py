@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from pipeline.records import Position, SourceRecord
 from schemas.events import MAX_TOKEN_ID, Completion, DeadLetterReason, LoggedGeneration
-from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify, is_record_fault
+from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify, is_row_fault
 from workers.formats.base import Destination, FormatError, MissingExtra, RequestFailure
 
 # Rows per record batch read. A batch's ids are held as numpy arrays and, row by row, as Python
@@ -104,7 +104,7 @@ def _batch_records(batch: Any, first_row: int, group: int) -> Iterator[SourceRec
     try:
         rows = _BatchRows(batch)
     except BaseException as error:
-        if not is_record_fault(error) or isinstance(error, MemoryError):
+        if not is_row_fault(error):
             raise
         if batch.num_rows > 1:
             for index in range(batch.num_rows):
@@ -117,7 +117,7 @@ def _batch_records(batch: Any, first_row: int, group: int) -> Iterator[SourceRec
         try:
             yield rows.record(index, position)
         except BaseException as error:
-            if not is_record_fault(error) or isinstance(error, MemoryError):
+            if not is_row_fault(error):
                 raise
             yield _unexpected(batch, index, position, error)
 
@@ -345,7 +345,7 @@ class ParquetCompletions:
             try:
                 table = self._table(self._rows)
             except BaseException as error:
-                if not is_record_fault(error) or isinstance(error, MemoryError):
+                if not is_row_fault(error):
                     raise
                 table = self._writable(self._rows)
             self._writer.write_table(table)
@@ -363,7 +363,7 @@ class ParquetCompletions:
             try:
                 tables.append(self._table([row]))
             except BaseException as error:
-                if not is_record_fault(error) or isinstance(error, MemoryError):
+                if not is_row_fault(error):
                     raise
                 message = f"not writable as Parquet: {type(error).__name__}: {error}"
                 code = DeadLetterReason.UNEXPECTED_ERROR.value

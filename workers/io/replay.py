@@ -30,7 +30,7 @@ from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from pipeline.records import SourceRecord
 from schemas.events import Completion
 from schemas.fast_events import ParsedEvent, ParsedPrompt, ParsedTokens
-from schemas.validation import Rejection, is_record_fault, parse_model
+from schemas.validation import Rejection, is_row_fault, parse_model
 from workers.formats import completion_writer, format_of, reading, replacing
 from workers.formats.base import RequestFailure
 from workers.io.publish.events import RequestEvents
@@ -162,7 +162,7 @@ def _record_events(record: SourceRecord, chunk_size: int) -> list[ParsedEvent | 
     try:
         return list(generation_events(record.parsed, chunk_size))
     except BaseException as error:
-        if not is_record_fault(error) or isinstance(error, MemoryError):
+        if not is_row_fault(error):
             raise
         log.warning(
             "%s: not replayed as events (%s: %s)", record.position, type(error).__name__, error
