@@ -110,6 +110,10 @@ class Delta:
     # The `Logprobs.content` entries (their JSON) of the tokens whose text this delta completes
     # (`pipeline.logprobs`); None when the input carried no logprobs.
     logprobs: list[LogprobEntry] | None = None
+    # Chat outputs (`schemas.events.TextDelta`): None for a request without a chat stage.
+    reasoning: str | None = None
+    reasoning_offset: int | None = None
+    tool_calls: list[dict] | None = None
 
     def absorb(self, later: Delta) -> None:
         self.seq_end = later.seq_end
@@ -135,6 +139,9 @@ class Delta:
                 "text": self.text,
                 "final": self.final,
                 "logprobs": None if self.logprobs is None else {"content": self.logprobs},
+                "reasoning": self.reasoning,
+                "reasoning_offset": self.reasoning_offset,
+                "tool_calls": self.tool_calls,
             }
         )
 

@@ -12,7 +12,7 @@ to see in the dead-letter topic, not paper over.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import (
@@ -74,6 +74,13 @@ PromptTokens = Annotated[
 ]
 
 
+# Tools a request offers (OpenAI's `tools` list). detok parses tool calls only for a request that
+# offers tools, as vLLM does (docs/chat-outputs.md); it reads no more of them than that they are
+# there, so the bounds only keep a record's state small: OpenAI allows 128 functions a request.
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 256
+
+
 class _PromptTail:
     """`prompt_tokens` counts the ids sent, so it is never below their number."""
 
@@ -90,6 +97,25 @@ class _Wire(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
+class ToolFunction(_Wire):
+    """A function a request offers: its name, and what OpenAI's request carries with it."""
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Wire):
+    """One entry of OpenAI's `tools` list."""
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)]
+
+
 class PromptEvent(_PromptTail, _Wire):
     """Opens a request: the prompt ids give the decoder its left context."""
 
@@ -102,6 +128,8 @@ class PromptEvent(_PromptTail, _Wire):
     stop: StopStrings | None = None
     include_stop_str_in_output: bool = False
     prompt_tokens: PromptTokens = None  # perfstate: prompt tails
+    # The tools the request offers: its tool calls are parsed (docs/chat-outputs.md).
+    tools: Tools | None = None
 
 
 class TokensEvent(_Wire):
@@ -182,6 +210,42 @@ class Logprobs(_Wire):
 _ENTRIES: TypeAdapter[list[TokenLogprob]] = TypeAdapter(list[TokenLogprob])
 
 
+class DeltaFunction(_Wire):
+    """A tool call's function in a delta: its name on the call's first delta, then pieces of
+    its arguments (OpenAI's `ChoiceDeltaToolCallFunction`)."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Wire):
+    """A piece of one tool call (OpenAI's `ChoiceDeltaToolCall`): `index` names the call; `id`,
+    `type` and the function's name come on its first delta only. `arguments_offset` (detok's,
+    like `text_offset`) counts the characters of the call's arguments before this piece, so an
+    at-least-once reader places a replayed piece as it places text."""
+
+    index: Annotated[int, Field(ge=0)]
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+    arguments_offset: Annotated[int, Field(ge=0)] = 0
+
+
+class FunctionCall(_Wire):
+    """A parsed call's function: its name and its arguments as a JSON string (OpenAI's)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Wire):
+    """A parsed tool call in a completion (OpenAI's `ChatCompletionMessageToolCall`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextDelta(_Wire):
     """New text of one request, covering input events seq_start..seq_end (inclusive).
 
@@ -202,6 +266,13 @@ class TextDelta(_Wire):
     text: str
     final: bool = False
     logprobs: Logprobs | None = None
+    # Chat outputs (docs/chat-outputs.md), for a request of a model with a reasoning or tool
+    # parser: then `text` is the content alone, `reasoning` what the delta adds to the
+    # reasoning (placed by `reasoning_offset`, as `text` by `text_offset`) and `tool_calls` the
+    # pieces of calls. Absent (null) for other requests.
+    reasoning: str | None = None
+    reasoning_offset: Annotated[int, Field(ge=0)] | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class Completion(_Wire):
@@ -220,6 +291,13 @@ class Completion(_Wire):
     # The stop string that ended the request (`finish_reason` is then "stop").
     stop_reason: str | None = None
     logprobs: Logprobs | None = None
+    # Chat outputs (docs/chat-outputs.md), for a request of a model with a reasoning or tool
+    # parser; then `text` is the content alone. `finish_reason` is "tool_calls" when a call was
+    # parsed (as vLLM reports it); `reasoning_tokens` counts the generated ids inside reasoning
+    # (OpenAI's `usage.completion_tokens_details.reasoning_tokens`).
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
 class FilteredIdsRecord(_Wire):
@@ -291,6 +369,7 @@ class LoggedGeneration(_PromptTail, _Wire):
     include_stop_str_in_output: bool = False
     output_logprobs: list[Logprob] | None = None
     output_top_logprobs: list[TopLogprobPairs] | None = None
+    tools: Tools | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> LoggedGeneration:

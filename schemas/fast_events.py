@@ -22,6 +22,8 @@ from schemas.events import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKEN_ID,
+    MAX_TOOL_NAME_CHARS,
+    MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     check_aligned,
     encode_json,
@@ -36,6 +38,25 @@ StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS
 StopStrings = Annotated[list[StopString], msgspec.Meta(min_length=1, max_length=MAX_STOP_STRINGS)]
 # msgspec's JSON decoder refuses NaN, Infinity and out-of-range numbers, as the models do.
 TopLogprobPairs = Annotated[list[tuple[TokenId, float]], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)]
+
+
+class ParsedFunction(msgspec.Struct, frozen=True, kw_only=True):
+    """`ToolFunction`: a function a request offers."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TOOL_NAME_CHARS)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ParsedTool(msgspec.Struct, frozen=True, kw_only=True):
+    """`Tool`: one entry of OpenAI's `tools` list."""
+
+    type: Literal["function"] = "function"
+    function: ParsedFunction
+
+
+Tools = Annotated[list[ParsedTool], msgspec.Meta(min_length=1, max_length=MAX_TOOLS)]
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -53,6 +74,7 @@ class ParsedPrompt(_Event, kw_only=True, tag="prompt"):
     stop: StopStrings | None = None
     include_stop_str_in_output: bool = False
     prompt_tokens: PromptTokens | None = None  # perfstate: prompt tails
+    tools: Tools | None = None
 
     type = "prompt"
 

@@ -36,6 +36,18 @@ def assignments(log: Path) -> list[list[int]]:
     ]
 
 
+def settled_after_a_revoke(log: Path) -> bool:
+    """True once a member that gave partitions away has had the rebalance's last callback.
+
+    Under cooperative-sticky a join is two rounds: the member first revokes what moves, then gets
+    its (here empty) incremental assignment. The joiner logs "restored" after its own round two,
+    which can come before the steady member's round-two callback is logged, so a test reading the
+    steady log must wait for that callback first."""
+    text = log.read_text()
+    revoked = text.rfind("revoked partitions")
+    return revoked != -1 and text.rfind("assigned partitions") > revoked
+
+
 def test_a_static_member_restarted_in_its_session_keeps_its_partitions_without_a_rebalance(
     pipeline_run: NewPipelineRun,
 ) -> None:
@@ -46,6 +58,7 @@ def test_a_static_member_restarted_in_its_session_keeps_its_partitions_without_a
     first = run.start_worker("member-b", extra=STATIC)
     run.wait_for_log(first, "restored")
     steady_log, first_log = run.log_of(steady), run.log_of(first)
+    wait_until(lambda: settled_after_a_revoke(steady_log), "the steady member's rebalance")
     before = steady_log.read_text()
 
     first.send_signal(signal.SIGKILL)
