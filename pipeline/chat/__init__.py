@@ -4,6 +4,7 @@ A broker-free engine (docs/chat-outputs.md): formats are tables (`formats`), `Ch
 one request's streaming parser with a plain-value snapshot.
 """
 
+from pipeline.chat.config import ChatParsers
 from pipeline.chat.formats import (
     REASONING_FORMATS,
     TOOL_FORMATS,
@@ -20,6 +21,7 @@ __all__ = [
     "REASONING_FORMATS",
     "TOOL_FORMATS",
     "ChatDelta",
+    "ChatParsers",
     "ChatParser",
     "ChatResult",
     "ReasoningFormat",
