@@ -38,6 +38,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 GIVE_UP_BOUND_S = 60.0
 # A container's grace period after SIGTERM is typically 30 s before SIGKILL.
 SIGTERM_BOUND_S = 30.0
+# The worker's give-up bound for a broker it cannot reach at start (`--startup-timeout`, 30 s by
+# default): the no-broker tests are about what it does then, not about the default's length.
+STARTUP_TIMEOUT = ["--startup-timeout", "5"]
 OUTAGE_TTL_S = 8  # past the ~1 s to see the snapshots and the broker's ~2 s controlled shutdown
 
 
@@ -107,7 +110,7 @@ def test_item16_no_broker_at_start_exits_non_zero_with_a_message_not_a_traceback
     tmp_path: Path, guarantee_args: list[str]
 ) -> None:
     pipeline, address = _unreachable_pipeline(tmp_path)
-    with started_worker(pipeline, *guarantee_args) as worker:
+    with started_worker(pipeline, *guarantee_args, *STARTUP_TIMEOUT) as worker:
         code = worker.wait(GIVE_UP_BOUND_S)
         assert code is not None, (
             f"no broker at {address}: still running after {GIVE_UP_BOUND_S:.0f} s:\n"
