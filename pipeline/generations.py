@@ -7,8 +7,15 @@ both cut it the same way, so offline and Kafka runs see the same events.
 
 from __future__ import annotations
 
-from schemas.events import LoggedGeneration
-from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
+from schemas.events import LoggedGeneration, Tool
+from schemas.fast_events import (
+    ParsedEvent,
+    ParsedFinish,
+    ParsedFunction,
+    ParsedPrompt,
+    ParsedTokens,
+    ParsedTool,
+)
 
 DEFAULT_CHUNK_SIZE = 16
 
@@ -29,6 +36,7 @@ def generation_events(
             stop=generation.stop,
             include_stop_str_in_output=generation.include_stop_str_in_output,
             prompt_tokens=generation.prompt_tokens,
+            tools=None if generation.tools is None else _parsed_tools(generation.tools),
         )
     ]
     ids = generation.output_token_ids
@@ -49,3 +57,20 @@ def generation_events(
         ParsedFinish(request_id=request_id, seq=len(events), finish_reason=generation.finish_reason)
     )
     return events
+
+
+def _parsed_tools(tools: list[Tool]) -> list[ParsedTool]:
+    """The generation's validated tools as the prompt event's (the same fields, the same
+    bounds: nothing to check again)."""
+    return [
+        ParsedTool(
+            type=tool.type,
+            function=ParsedFunction(
+                name=tool.function.name,
+                description=tool.function.description,
+                parameters=tool.function.parameters,
+                strict=tool.function.strict,
+            ),
+        )
+        for tool in tools
+    ]

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import zip_longest
 
+from pipeline.chat.config import ChatParsers
 from pipeline.errors import DuplicateRequestIdError
 from pipeline.generations import DEFAULT_CHUNK_SIZE, generation_events
 from pipeline.processor import RequestProcessor
@@ -62,8 +63,10 @@ def run_generations(
     source: str = "input",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     window: int = DEFAULT_WINDOW,
+    chat_parsers: ChatParsers = ChatParsers(),  # noqa: B008 (frozen: one shared empty default)
 ) -> Iterator[Outcome]:
-    """Yield one outcome per record, in input order.
+    """Yield one outcome per record, in input order; `chat_parsers` split each model's text
+    into content, reasoning and tool calls as a worker's do (docs/chat-outputs.md).
 
     A request id seen earlier in the input is refused here, whatever the format: two
     generations under one id would be one request to the processor.
@@ -83,10 +86,10 @@ def run_generations(
                 seen.add(parsed.request_id)
         pending.append(record)
         if len(pending) == window:
-            yield from _run_window(pending, registry, source, chunk_size)
+            yield from _run_window(pending, registry, source, chunk_size, chat_parsers)
             pending = []
     if pending:
-        yield from _run_window(pending, registry, source, chunk_size)
+        yield from _run_window(pending, registry, source, chunk_size, chat_parsers)
 
 
 def _run_window(
@@ -94,8 +97,9 @@ def _run_window(
     registry: TokenizerRegistry,
     source: str,
     chunk_size: int,
+    chat_parsers: ChatParsers,
 ) -> Iterator[Outcome]:
-    processor = RequestProcessor(registry)
+    processor = RequestProcessor(registry, chat_parsers=chat_parsers)
     outcomes = [Outcome(record.position) for record in pending]
     index_of: dict[str, int] = {}
     streams = []

@@ -23,6 +23,7 @@ from typing import Literal
 
 from tokenizers import Tokenizer
 
+from pipeline.chat.config import ChatParsers
 from pipeline.decode_stream import StrictDecodeError
 from pipeline.errors import SnapshotError
 from pipeline.request_state import (
@@ -61,7 +62,9 @@ class RequestProcessor:
         finished_retention_s: float = 600.0,
         max_text_bytes: int | None = None,
         max_held_bytes: int | None = None,
+        chat_parsers: ChatParsers = ChatParsers(),  # noqa: B008 (TEMP stub: the stages branch's)
     ) -> None:
+        self.chat_parsers = chat_parsers
         self.registry = registry
         # An idle request is one whose producer died mid-generation; after this long nothing
         # will complete it, and holding its state forever would leak memory and changelog.

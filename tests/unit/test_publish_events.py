@@ -145,6 +145,30 @@ def test_a_prompt_over_the_limit_goes_as_its_tail(caplog: pytest.LogCaptureFixtu
     assert "request huge: prompt of 50000 ids" in caplog.text
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_the_tools_a_request_offers_go_in_its_prompt_event_whole_or_tail() -> None:
+    sink = Records()
+    events = RequestEvents(sink, max_record_bytes=100_000)
+    events.open("chat", "m", [1, 2], tools=[WEATHER])
+    events.open("huge", "m", list(range(50_000)), tools=[WEATHER])
+    events.open("plain", "m", [3])
+    # The event writes every field of a function, the ones not given as null.
+    offered = [{"type": "function", "function": {**WEATHER["function"], "strict": None}}]
+    assert sink.events("chat")[0]["tools"] == offered
+    assert sink.events("huge")[0]["tools"] == sink.events("chat")[0]["tools"]
+    assert sink.events("huge")[0]["prompt_tokens"] == 50_000
+    assert sink.events("plain")[0]["tools"] is None
+
+
 def test_prompt_tail_sends_every_longer_prompt_as_its_tail() -> None:
     sink = Records()
     events = RequestEvents(sink, prompt_tail=8)
@@ -181,6 +205,10 @@ def test_calls_outside_a_request_life_are_refused_before_sending() -> None:
         {"stop": ["x" * 1025]},
         {"prompt_tokens": 0},
         {"model": ""},
+        {"tools": []},
+        {"tools": [{"type": "function", "function": {"name": ""}}]},
+        {"tools": [{"type": "tool", "function": {"name": "f"}}]},
+        {"tools": [{"type": "function", "function": {"name": "f"}}] * 129},
     ],
 )
 def test_a_prompt_outside_the_schema_is_refused(bad: dict) -> None:

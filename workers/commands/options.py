@@ -13,6 +13,8 @@ import argparse
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from pipeline.chat.config import ChatParsers
+from pipeline.chat.formats import REASONING_FORMATS, TOOL_FORMATS
 from pipeline.tokenizer_registry import TokenizerRegistry, parse_vocab_size_specs
 from workers.kafka.clients import BOOTSTRAP_ENV, KafkaConnection, configured_connection
 from workers.kafka.config import CONFIG_FILE_ENV
@@ -138,6 +140,41 @@ def registry_from(args: argparse.Namespace) -> TokenizerRegistry:
     return TokenizerRegistry.from_specs(
         args.tokenizers, parse_vocab_size_specs(args.model_vocab_sizes)
     )
+
+
+def add_chat_parser_options(parser: argparse.ArgumentParser) -> None:
+    """`--reasoning-parser MODEL=NAME` and `--tool-parser MODEL=NAME`, repeatable: the chat
+    outputs' parsers of each model (docs/chat-outputs.md), named as vLLM's flags name them."""
+    parser.add_argument(
+        "--reasoning-parser",
+        action="append",
+        dest="reasoning_parsers",
+        default=[],
+        metavar="MODEL=NAME",
+        help=f"split MODEL's reasoning out of its text with parser NAME: "
+        f"{', '.join(sorted(REASONING_FORMATS))} (repeatable)",
+    )
+    parser.add_argument(
+        "--tool-parser",
+        action="append",
+        dest="tool_parsers",
+        default=[],
+        metavar="MODEL=NAME",
+        help=f"parse MODEL's tool calls, for requests that offer tools, with parser NAME: "
+        f"{', '.join(sorted(TOOL_FORMATS))} (repeatable)",
+    )
+
+
+def chat_parsers_from(
+    reasoning: Iterable[str], tools: Iterable[str], tokenizer_specs: Iterable[str]
+) -> ChatParsers:
+    """The parsers the flags name, checked against the models of the `MODEL=PATH` tokenizer
+    specs (before any tokenizer is loaded, so a typo costs no loading time). Raises ValueError
+    (UnknownParserError among them) with a one-line message naming the valid choices."""
+    parsers = ChatParsers.from_specs(reasoning, tools)
+    if parsers:
+        parsers.check_models(spec.partition("=")[0] for spec in tokenizer_specs)
+    return parsers
 
 
 def positive_int(text: str) -> int:

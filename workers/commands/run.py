@@ -31,7 +31,9 @@ from pipeline.tokenizer_registry import TokenizerSpecError
 from schemas.events import DeadLetterReason, DeadLetterRecord
 from workers.commands.format_options import add_format_options
 from workers.commands.options import (
+    add_chat_parser_options,
     add_tokenizer_options,
+    chat_parsers_from,
     positive_int,
     readable_file,
     registry_from,
@@ -62,6 +64,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "line, or one Parquet row) into completions, one per request, in input order.",
     )
     add_tokenizer_options(parser)
+    add_chat_parser_options(parser)
     parser.add_argument(
         "--input", required=True, type=readable_file, help="logged generations (.jsonl, .parquet)"
     )
@@ -133,8 +136,12 @@ def _same_file(first: Path, second: Path) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        # Before the tokenizers load: an unknown parser or model costs no loading time.
+        chat_parsers = chat_parsers_from(args.reasoning_parsers, args.tool_parsers, args.tokenizers)
         registry = registry_from(args)
-    except TokenizerSpecError as error:
+    except (ValueError, TokenizerSpecError) as error:  # UnknownParserError is a ValueError
+        print(f"detok run: {error}", file=sys.stderr)
+        return 2
         print(f"detok run: {error}", file=sys.stderr)
         return 2
     try:
@@ -153,9 +160,15 @@ def run(args: argparse.Namespace) -> int:
             dead_letter_file.open_text() as dead_letters,
         ):
             outcomes = run_generations(
-                records, registry, source=str(args.input), chunk_size=args.chunk_size
+                records,
+                registry,
+                source=str(args.input),
+                chunk_size=args.chunk_size,
+                chat_parsers=chat_parsers,
             )
-            output = completion_writer(output_file, output_format, created=int(time.time()))
+            output = completion_writer(
+                output_file, output_format, created=int(time.time()), chat=bool(chat_parsers)
+            )
             try:
                 totals = _write(outcomes, output, dead_letters)
             finally:

@@ -22,6 +22,7 @@ from pipeline.tokenizer_registry import (
 )
 from workers.commands import failures
 from workers.commands.options import (
+    add_chat_parser_options,
     add_connection_options,
     add_tokenizer_options,
     add_topic_options,
@@ -50,6 +51,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     # Not required here: each may come from a DETOK_* variable instead (see WorkerSettings).
     add_connection_options(parser)
     add_tokenizer_options(parser, required=False)
+    add_chat_parser_options(parser)
     add_topic_options(parser)
     parser.add_argument("--group")
     parser.add_argument("--guarantee", choices=["exactly-once", "at-least-once"])
@@ -128,12 +130,19 @@ def run(args: argparse.Namespace) -> int:
         redact_logs(settings.connection.properties)
         log.info("Kafka %r", settings.connection)  # redacted: see KafkaConnection
         vocab_sizes = parse_vocab_size_specs(settings.model_vocab_sizes)
+        chat_parsers = settings.chat_parsers  # an unknown parser name is a usage error too
     except (ValidationError, SettingsError) as error:
         print(f"detok worker: {settings_problem(error)}", file=sys.stderr)
         return 2
-    except (TokenizerSpecError, KafkaConfigError) as error:
+    except (TokenizerSpecError, KafkaConfigError, ValueError) as error:
         print(f"detok worker: {error}", file=sys.stderr)
         return 2
+    if chat_parsers:
+        log.info(
+            "chat parsers: reasoning %s, tools %s",
+            dict(chat_parsers.reasoning),
+            dict(chat_parsers.tools),
+        )
     stop = StopRequest()
     stop.install()
     # The cluster first, the tokenizers (seconds of loading on a busy machine) after: a worker

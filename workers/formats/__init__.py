@@ -24,7 +24,7 @@ from workers.formats.jsonl import completion_line, jsonl_records
 from workers.formats.openai import batch_output_lines, completion_lines, openai_batch_records
 
 INPUT_FORMATS = ("jsonl", "parquet", "openai-batch")
-OUTPUT_FORMATS = ("jsonl", "parquet", "openai-completion", "openai-batch")
+OUTPUT_FORMATS = ("jsonl", "parquet", "openai-completion", "openai-chat", "openai-batch")
 PARQUET_SUFFIXES = frozenset({".parquet", ".pq"})
 # Inputs smaller than this finish before a progress bar would tell anyone anything.
 PROGRESS_MIN_BYTES = 4 * 1024 * 1024
@@ -64,14 +64,20 @@ def reading(path: Path, fmt: str, *, progress: str | None) -> Iterator[Iterator[
             _close(bar)
 
 
-def completion_writer(destination: Destination, fmt: str, *, created: int) -> CompletionWriter:
-    """A writer of `fmt` into `destination`."""
+def completion_writer(
+    destination: Destination, fmt: str, *, created: int, chat: bool = False
+) -> CompletionWriter:
+    """A writer of `fmt` into `destination`. `chat`: completions may carry chat outputs
+    (docs/chat-outputs.md), so Parquet has their columns; without it a file is what it was
+    before them (JSON formats write the fields a completion has whatever `chat` says)."""
     if fmt == "parquet":
         from workers.formats.parquet import ParquetCompletions
 
-        return ParquetCompletions(destination)
+        return ParquetCompletions(destination, chat=chat)
     if fmt == "openai-completion":
         return LineWriter(destination.open_text(), completion_lines(created))
+    if fmt == "openai-chat":
+        return LineWriter(destination.open_text(), completion_lines(created, chat=True))
     if fmt == "openai-batch":
         return LineWriter(destination.open_text(), batch_output_lines(created))
     return LineWriter(destination.open_text(), completion_line)

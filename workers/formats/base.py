@@ -54,6 +54,15 @@ class CompletionWriter(Protocol):
         """Write out anything buffered; the file is complete after it."""
 
 
+# A completion's chat outputs (docs/chat-outputs.md): None for a request no chat parser read.
+CHAT_FIELDS = ("reasoning", "tool_calls", "reasoning_tokens")
+
+
+def carries_chat(completion: Completion) -> bool:
+    """Whether a chat parser read the request (the completion has a chat field)."""
+    return any(getattr(completion, name) is not None for name in CHAT_FIELDS)
+
+
 # One request's result as one line of text, or None when the format has nothing to say about it.
 LineOf = Callable[[Completion | None, RequestFailure | None], str | None]
 

@@ -1,10 +1,11 @@
 """OpenAI shapes: Completion objects and Batch output lines out, Batch output lines in.
 
 Out: `openai-completion` writes one legacy Completion object (`object: "text_completion"`) per
-request; `openai-batch` wraps it as a Batch API output line `{id, custom_id, response:
-{status_code, request_id, body}, error}`, the shape OpenAI's Batch API and vLLM's `run_batch`
-write, so tools that read those read detok's results. The `openai` package's own models judge both
-in the tests.
+request, `openai-chat` one ChatCompletion (`object: "chat.completion"`, the chat outputs of
+docs/chat-outputs.md in its message); `openai-batch` wraps either as a Batch API output line
+`{id, custom_id, response: {status_code, request_id, body}, error}`, the shape OpenAI's Batch API
+and vLLM's `run_batch` write, so tools that read those read detok's results. The `openai`
+package's own models judge them all in the tests.
 
 In: a Batch output file from a server that returned the token ids (vLLM with
 `return_token_ids: true`) is a log of generations, so `detok replay` and `detok run` can
@@ -27,12 +28,15 @@ from pydantic import ValidationError
 from pipeline.records import Position, SourceRecord
 from schemas.events import Completion, DeadLetterReason, LoggedGeneration
 from schemas.validation import MAX_MESSAGE_CHARS, Rejection, classify, is_row_fault
-from workers.formats.base import LineOf, RequestFailure
+from workers.formats.base import LineOf, RequestFailure, carries_chat
 
 # OpenAI's Completion admits only these finish reasons. A log without one (None) or with a
 # server's own (vLLM's "abort") is written as "stop", the reason for an ending that was neither a
 # length cap nor a filter; detok's own formats keep the logged value unchanged.
 OPENAI_FINISH_REASONS = frozenset({"stop", "length", "content_filter"})
+# OpenAI's ChatCompletion admits these; "tool_calls" is what a request whose calls were parsed
+# ends with (as vLLM reports it).
+CHAT_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter"})
 # A failed request has no response; its error `code` is the dead-letter reason. Collect sees only
 # the failed completion (its dead letter is on the dead-letter topic), so it uses this code.
 FAILED_COMPLETION_CODE = "request_failed"
@@ -63,6 +67,80 @@ def completion_object(completion: Completion, created: int) -> dict[str, Any]:
             "total_tokens": completion.prompt_tokens + completion.generated_tokens,
         },
     }
+
+
+def chat_completion_object(completion: Completion, created: int) -> dict[str, Any]:
+    """The ChatCompletion object of one request (`openai.types.chat.ChatCompletion`), as vLLM's
+    chat endpoint writes it: the assistant message's `content`, `reasoning` (vLLM's field name,
+    not OpenAI's) and `tool_calls` ([] when none, as vLLM), the reasoning tokens in `usage`.
+
+    `content` is None where vLLM's is: when the text is empty and the parsers found calls or
+    reasoning (a completion without chat parsers keeps its text, "" included).
+    """
+    calls = completion.tool_calls or []
+    chat_parsed = bool(calls) or completion.reasoning is not None
+    finish_reason = completion.finish_reason
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {
+            "role": "assistant",
+            "content": completion.text or (None if chat_parsed else ""),
+            "reasoning": completion.reasoning,
+            "tool_calls": [call.model_dump() for call in calls],
+        },
+        "finish_reason": finish_reason if finish_reason in CHAT_FINISH_REASONS else "stop",
+        "logprobs": chat_logprobs(completion),
+    }
+    if completion.stop_reason is not None:
+        choice["stop_reason"] = completion.stop_reason  # vLLM's extension, as above
+    usage: dict[str, Any] = {
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.generated_tokens,
+        "total_tokens": completion.prompt_tokens + completion.generated_tokens,
+    }
+    if completion.reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": completion.reasoning_tokens}
+    return {
+        "id": f"chatcmpl-{completion.request_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": completion.model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def chat_logprobs(completion: Completion) -> dict[str, list] | None:
+    """The chat logprobs `{content: [{token, logprob, bytes, top_logprobs}]}`, one entry per
+    generated token whatever part of the message its text went to, or None when the input
+    carried none. `token` is the token alone (special tokens shown), as vLLM's chat endpoint
+    gives it; detok's own `id`, `text` and `text_offset` are left out of OpenAI's shape."""
+    if completion.logprobs is None:
+        return None
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": entry.logprob,
+                "bytes": entry.bytes,
+                "top_logprobs": [
+                    {"token": top.token, "logprob": top.logprob, "bytes": top.bytes}
+                    for top in entry.top_logprobs
+                ],
+            }
+            for entry in completion.logprobs.entries()
+        ]
+    }
+
+
+def response_body(completion: Completion, created: int) -> dict[str, Any]:
+    """A Batch output line's body: a ChatCompletion for a request a chat parser read (its
+    completion carries a chat field), else a legacy Completion. A Batch output line does not
+    say which endpoint its request went to (the input's `url` is not in a logged generation);
+    a request with reasoning or tool calls came from a chat endpoint."""
+    if carries_chat(completion):
+        return chat_completion_object(completion, created)
+    return completion_object(completion, created)
 
 
 def legacy_logprobs(completion: Completion) -> dict[str, list] | None:
@@ -109,7 +187,7 @@ def batch_line(
             "response": {
                 "status_code": 200,
                 "request_id": completion.request_id,
-                "body": completion_object(completion, created),
+                "body": response_body(completion, created),
             },
             "error": None,
         }
@@ -128,14 +206,16 @@ def batch_line(
     }
 
 
-def completion_lines(created: int) -> LineOf:
-    """One Completion object per line for every request that completed; failed requests are in
-    the dead letters (openai-batch writes them as error lines)."""
+def completion_lines(created: int, *, chat: bool = False) -> LineOf:
+    """One Completion object (a ChatCompletion with `chat`) per line for every request that
+    completed; failed requests are in the dead letters (openai-batch writes them as error
+    lines)."""
+    shape = chat_completion_object if chat else completion_object
 
     def line_of(completion: Completion | None, failure: RequestFailure | None) -> str | None:
         if completion is None or completion.status != "ok":
             return None
-        return json.dumps(completion_object(completion, created), ensure_ascii=False)
+        return json.dumps(shape(completion, created), ensure_ascii=False)
 
     return line_of
 

@@ -32,7 +32,7 @@ from schemas.events import Completion
 from schemas.fast_events import ParsedEvent, ParsedPrompt, ParsedTokens
 from schemas.validation import Rejection, is_row_fault, parse_model
 from workers.formats import completion_writer, format_of, reading, replacing
-from workers.formats.base import RequestFailure
+from workers.formats.base import RequestFailure, carries_chat
 from workers.io.publish.events import RequestEvents
 from workers.io.publish.publisher import FailedRecord, Publisher
 from workers.kafka.clients import (
@@ -183,6 +183,7 @@ def _send_event(event: ParsedEvent | bytes, target: EventTarget) -> None:
             stop=event.stop,
             include_stop_str_in_output=event.include_stop_str_in_output,
             prompt_tokens=event.prompt_tokens,
+            tools=event.tools,
         )
     elif type(event) is ParsedTokens:
         target.append(event.request_id, event.token_ids, event.logprobs, event.top_logprobs)
@@ -347,10 +348,12 @@ def write_completions(
     """Every completion, by request id, in `fmt` (an output format of `workers.formats`); the
     completions the format could not hold are left out and returned.
 
-    `created` stamps the OpenAI shapes (their `created` is a Unix time in seconds).
+    `created` stamps the OpenAI shapes (their `created` is a Unix time in seconds). Parquet has
+    the chat outputs' columns when a completion carries one of them.
     """
+    chat = any(carries_chat(completion) for completion in completions.values())
     with replacing(path) as destination:
-        writer = completion_writer(destination, fmt, created=created)
+        writer = completion_writer(destination, fmt, created=created, chat=chat)
         try:
             for request_id in sorted(completions):
                 writer.write(completions[request_id], None)

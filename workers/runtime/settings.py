@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from pipeline.chat.config import ChatParsers
 from workers.kafka.clients import KafkaConnection, configured_connection
 from workers.kafka.topic_names import TopicNames
 
@@ -25,6 +26,8 @@ ENV_LIST_EXAMPLES = {
     "tokenizers": '["gpt2=/models/gpt2/tokenizer.json"]',
     "model_vocab_sizes": '["olmo2=100352"]',
     "kafka_overrides": '["linger.ms=5", "compression.type=lz4"]',
+    "reasoning_parsers": '["qwen3=qwen3"]',
+    "tool_parsers": '["qwen3=hermes"]',
 }
 
 
@@ -36,6 +39,10 @@ class WorkerSettings(BaseSettings):
     # `MODEL=PATH` specs, as for `detok run`; `MODEL=N` for models whose embedding is larger.
     tokenizers: list[str] = Field(min_length=1)
     model_vocab_sizes: list[str] = []
+    # `MODEL=NAME` specs of the chat outputs' parsers (docs/chat-outputs.md); a model in neither
+    # list is not parsed, and pays nothing for the feature.
+    reasoning_parsers: list[str] = []
+    tool_parsers: list[str] = []
     group: str = "detok-workers"
     topics: TopicNames = TopicNames()
     guarantee: Guarantee = "exactly-once"
@@ -92,6 +99,16 @@ class WorkerSettings(BaseSettings):
         return configured_connection(
             self.bootstrap_servers, self.kafka_config_file, self.kafka_overrides
         )
+
+    @cached_property
+    def chat_parsers(self) -> ChatParsers:
+        """The chat outputs' parsers per model. Raises ValueError (exit 2: the command asks
+        before it contacts the cluster) for an unknown parser name, naming the valid ones, and
+        for a model no tokenizer spec names (its requests would silently go unparsed)."""
+        parsers = ChatParsers.from_specs(self.reasoning_parsers, self.tool_parsers)
+        if parsers:
+            parsers.check_models(spec.partition("=")[0] for spec in self.tokenizers)
+        return parsers
 
     @property
     def transactional_id(self) -> str:

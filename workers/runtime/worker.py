@@ -96,6 +96,7 @@ class Worker:
             finished_retention_s=settings.finished_retention_s,
             max_text_bytes=limits.max_text_bytes(settings.topics),
             max_held_bytes=limits.max_held_bytes(settings.topics),
+            chat_parsers=settings.chat_parsers,
         )
         self.processor.warm_up()
         self.stop = stop or StopRequest()

@@ -19,9 +19,9 @@ publisher to report.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -43,6 +43,9 @@ class PromptOptions(TypedDict, total=False):
     stop: Sequence[str] | None
     include_stop_str_in_output: bool
     prompt_tokens: int | None
+    # OpenAI's `tools` list of the request (`{"type": "function", "function": {"name", ...}}`):
+    # its tool calls are parsed when the model has a tool parser (docs/chat-outputs.md).
+    tools: Sequence[Mapping[str, Any]] | None
 
 
 class RequestStateError(ValueError):
@@ -103,6 +106,7 @@ class RequestEvents:
         stop: Sequence[str] | None = None,
         include_stop_str_in_output: bool = False,
         prompt_tokens: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """Send the prompt event (seq 0). Every field is checked against the schema's bounds
         here (msgspec.ValidationError), so a bad prompt fails the call, not the worker."""
@@ -117,6 +121,7 @@ class RequestEvents:
                 "stop": None if stop is None else list(stop),
                 "include_stop_str_in_output": include_stop_str_in_output,
                 "prompt_tokens": prompt_tokens,
+                "tools": None if tools is None else list(tools),
             },
             ParsedPrompt,
         )
