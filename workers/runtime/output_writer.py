@@ -172,7 +172,8 @@ class OutputWriter:
         - a snapshot (head or text segment): the request is marked failed, its (small) failed
           marker written under its head key and tombstones under its segment keys;
         - a completion: replaced by a failed completion without text;
-        - a delta or a filtered-ids record: left out (the completion carries the text).
+        - a delta, a filtered-ids record or a stop signal: left out (the completion carries the
+          text and the outcome).
         Each also leaves an `output_too_large` dead letter naming the request.
         """
         size = self.limits.record_bytes(output.key, output.value, output.headers)
