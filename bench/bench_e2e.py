@@ -1482,13 +1482,25 @@ def stop_signal_table_rows(
             "",
         ),
         (
-            "  ids after the stops (no signals)",
+            "  ids after the stops, this run",
             f"{figures['ids_after_stops']:,} ids; made before the signal came: "
             f"{figures['ids_before_signal']:,}; skippable: {figures['ids_skippable']:,} "
-            f"({figures['skippable_share']:.0%}) at "
-            f"{figures['ids_per_s_per_request'] or 0:.0f} ids/s per request",
+            f"({figures['skippable_share']:.0%}) at the paced "
+            f"{figures['ids_per_s_per_request'] or 0:,.0f} ids/s per request",
             "",
             "",
+        ),
+        *(
+            (
+                f"  simulated engine, {sim['ids_per_s_per_request']:.0f} ids/s per request, "
+                f"max_tokens {sim['max_tokens'] or 'as scripted'}",
+                f"{sim['ids_after_stops']:,} ids after the stops; skippable "
+                f"{sim['ids_skippable']:,} ({sim['skippable_share']:.0%}); made before the "
+                f"signal: {sim['wasted_per_stop']:.1f} per stop",
+                "",
+                "",
+            )
+            for sim in figures["simulated"]
         ),
     ]
 

@@ -11,14 +11,18 @@ a completion once the input is all committed), then the finishes. The requests c
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
+from confluent_kafka import Producer
 
 from schemas.events import StopSignal
+from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.worker_harness import (
     QWEN_MODEL_VOCAB,
     NewPipelineRun,
@@ -30,7 +34,7 @@ from tests.integration.worker_harness import (
     wait_until,
     worker_tokenizers,
 )
-from workers.io.publish import Publisher, StopSignals
+from workers.io.publish import AsyncStopSignals, Publisher, StopSignals
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -153,3 +157,54 @@ def check_signals(
     reasons = {h[1] for _, _, headers in read_topic(run.bootstrap, run.names.dead_letters)
                for h in headers if h[0] == "__detok.errors.reason"}  # fmt: skip
     assert reasons <= {b"strict_decode_failure", b"request_already_failed"}
+
+
+def signal_record(request_id: str) -> bytes:
+    return (
+        StopSignal(request_id=request_id, model="gpt2", reason="stop_string", generated_tokens=3)
+        .model_dump_json()
+        .encode()
+    )
+
+
+def test_readers_see_committed_signals_from_their_making_on(
+    kafka_bootstrap: str, create_topic: Callable[..., str]
+) -> None:
+    """Both faces of the library, against records written as a worker writes them: a signal
+    committed before the reader was made, one in an aborted transaction and an unreadable
+    record never reach the engine; each committed one does, once, through `poll` and through
+    `AsyncStopSignals`."""
+    topic = create_topic("control", partitions=3)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap,
+                         "transactional.id": unique_name("control")})  # fmt: skip
+    producer.init_transactions()
+
+    def transaction(records: list[tuple[str, bytes]], commit: bool = True) -> None:
+        producer.begin_transaction()
+        for key, value in records:
+            producer.produce(topic, value, key.encode())
+        if commit:
+            producer.commit_transaction()
+        else:
+            producer.abort_transaction()
+
+    transaction([("before", signal_record("before"))])
+    polled = StopSignals(kafka_bootstrap, topic)
+
+    async def read_async(count: int) -> list[StopSignal]:
+        signals = await AsyncStopSignals.create(kafka_bootstrap, topic)
+        async with signals:
+            transaction([("aborted", signal_record("aborted"))], commit=False)
+            transaction([("a", signal_record("a")), ("junk", b"{not json")])
+            transaction([(f"r{i}", signal_record(f"r{i}")) for i in range(count - 1)])
+            return [await asyncio.wait_for(signals.get(), WAIT_BOUND_S) for _ in range(count)]
+
+    try:
+        got = asyncio.run(read_async(5))
+        assert sorted(s.request_id for s in got) == ["a", "r0", "r1", "r2", "r3"]
+        seen: list[StopSignal] = []
+        wait_until(lambda: bool(seen.extend(polled.poll(0.2))) or len(seen) >= 5, "the signals")
+        assert sorted(s.request_id for s in seen) == ["a", "r0", "r1", "r2", "r3"]
+        assert polled.poll(0.5) == [] and polled.skipped == 1  # the unreadable record
+    finally:
+        polled.close()

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Container, Iterator
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from pydantic import ValidationError
 
 from schemas.events import StopSignal
@@ -46,6 +47,12 @@ FETCH_WAIT_MS = 50
 WAIT_S = 0.1
 
 OnStop = Callable[[StopSignal], None]
+# A fresh topic's partitions answer these until their leader is elected (milliseconds).
+NO_LEADER_YET = frozenset(
+    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+     KafkaError.UNKNOWN_TOPIC_OR_PART}
+)  # fmt: skip
+RETRY_S = 0.1
 
 
 class StopSignals:
@@ -98,11 +105,21 @@ class StopSignals:
     def _end_of(self, partition: int) -> int:
         """The partition's end for a read_committed reader now (its last stable offset): the
         first signal not yet committed, which an explicit start point cannot skip past later
-        (OFFSET_END would be resolved at the first fetch, after signals made meanwhile)."""
-        _, end = self._consumer.get_watermark_offsets(
-            TopicPartition(self.topic, partition), timeout=METADATA_TIMEOUT_S
-        )
-        return end
+        (OFFSET_END would be resolved at the first fetch, after signals made meanwhile).
+
+        A topic created a moment ago may have no leader yet: asked again until
+        METADATA_TIMEOUT_S, then the error is raised."""
+        deadline = time.monotonic() + METADATA_TIMEOUT_S
+        while True:
+            try:
+                _, end = self._consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, partition), timeout=METADATA_TIMEOUT_S
+                )
+                return end
+            except KafkaException as error:
+                if error.args[0].code() not in NO_LEADER_YET or time.monotonic() > deadline:
+                    raise
+                time.sleep(RETRY_S)
 
     def __enter__(self) -> StopSignals:
         return self
