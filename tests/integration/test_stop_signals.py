@@ -12,7 +12,6 @@ a completion once the input is all committed), then the finishes. The requests c
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import time
 from collections import Counter
@@ -24,7 +23,6 @@ from confluent_kafka import Producer
 from schemas.events import StopSignal
 from tests.integration.conftest import WAIT_BOUND_S, unique_name
 from tests.integration.worker_harness import (
-    QWEN_MODEL_VOCAB,
     NewPipelineRun,
     PipelineRun,
     input_all_committed,
@@ -32,7 +30,7 @@ from tests.integration.worker_harness import (
     read_topic,
     stop,
     wait_until,
-    worker_tokenizers,
+    with_early_ends,
 )
 from workers.io.publish import AsyncStopSignals, Publisher, StopSignals
 
@@ -40,24 +38,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CHUNK = 8  # ids per tokens event
 RATE = 100.0  # tokens events per second while publishing
-
-
-def with_early_ends(generations: list[dict], seed: int) -> list[dict]:
-    """Half the requests get a stop string from the first half of their own text (it fires
-    well before the end); every tenth qwen2 request gets an id the tokenizer lacks mid-way (a
-    strict-decode failure)."""
-    rng = random.Random(seed)
-    tokenizers = worker_tokenizers()
-    for index, generation in enumerate(generations):
-        output = generation["output_token_ids"]
-        text = tokenizers[generation["model"]].decode(output)
-        if generation["model"] == "qwen2" and index % 10 == 4 and len(output) > 8:
-            bad = rng.randint(151_646, QWEN_MODEL_VOCAB - 1)
-            generation["output_token_ids"] = [*output[:4], bad, *output[4:]]
-        elif index % 2 == 0 and len(text) > 24:
-            start = rng.randint(len(text) // 5, len(text) // 3)
-            generation["stop"] = [text[start : start + 3], "never-ever"]
-    return generations
 
 
 def publish_without_finishes(run: PipelineRun, generations: list[dict]) -> Publisher:
