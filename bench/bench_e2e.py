@@ -24,7 +24,10 @@ or one this script starts), with real tokenizers:
               its assignment (target: <= 1 s; median of three) and its own timeline;
   memory      RSS growth of a worker per 10,000 active (started, unfinished) requests, as the
               slope between two fill levels so fixed costs (tokenizers, client buffers) cancel;
-  restore     kill -9 of that worker, then the restore time its successor logs.
+  restore     kill -9 of that worker, then the restore time its successor logs;
+  stop        with `--stop-signals`: the delay from the tokens event completing a stop string to
+              an engine's receipt of its stop signal at half the one-worker rate, and the ids
+              an engine could skip (bench/stop_signal_delay.py).
 
 No figure is asserted; targets are printed next to each figure as ratios measured in this run.
 `--compare-with TREE` runs another checkout's workers (e.g. `git worktree add /tmp/base <commit>`)
@@ -32,6 +35,7 @@ beside this tree's, alternating in every rotation, so before/after figures come 
 
     python -m bench.bench_e2e [--requests 20000] [--quick] [--json] [--profile DIR]
                               [--compare-with TREE] [--kafka-config FILE] [-X KEY=VALUE]
+                              [--stop-signals]
 """
 
 from __future__ import annotations
@@ -976,7 +980,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sasl-ssl", action="store_true", help="also 1 worker over SASL_SSL (bench_secured.py)"
     )
+    parser.add_argument(
+        "--stop-signals",
+        action="store_true",
+        help="also: the delay from the tokens event completing a stop string to an engine's "
+        "receipt of its stop signal, and the ids an engine could skip, at half the 1-worker "
+        "rate (bench/stop_signal_delay.py); with --drain-only, after the drain rows",
+    )
     return parser
+
+
+def stop_signal_rows(
+    kafka: Kafka, workload: Workload, max_rate: float, args: argparse.Namespace, logs: Path,
+    note: Callable[[str], None],
+) -> dict[str, Any]:  # fmt: skip
+    """The stop-signal run at half of `max_rate`, LATENCY_REPEATS times; the median by p99."""
+    from bench import stop_signal_delay  # imports this module: only when asked for
+
+    ready = ReadyTopics.create(kafka, LATENCY_REPEATS)
+    try:
+        runs = []
+        for _ in range(LATENCY_REPEATS):
+            run = stop_signal_delay.stop_signal_run(
+                kafka, workload, max_rate * 0.5, args.latency_seconds, logs, ready.take()
+            )
+            runs.append(run)
+            note(f"stop signals at {run['tokens_per_s']:,.0f} tok/s: p50 {run['p50_ms']:.0f} "
+                 f"ms, p99 {run['p99_ms']:.0f} ms")  # fmt: skip
+        return _median_p99(runs)
+    finally:
+        ready.drop_unused(kafka)
 
 
 def delay_rows(
@@ -1118,6 +1151,9 @@ def main(argv: list[str] | None = None) -> int:
     join_rate = eos1.tokens_per_s * JOIN_RATE_SHARE
     if not args.drain_only:
         latencies, joins = delay_rows(kafka, workload, eos1.tokens_per_s, trees, args, logs, note)
+    stop_signals = None
+    if args.stop_signals:
+        stop_signals = stop_signal_rows(kafka, workload, eos1.tokens_per_s, args, logs, note)
     memory = None if args.drain_only else memory_and_restore(kafka, workload, args.active, logs)
     three_brokers = None
     if args.three_brokers:
@@ -1176,6 +1212,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if three_brokers is not None:
         report["three_brokers"] = three_brokers
+    if stop_signals is not None:
+        report["stop_signals"] = stop_signals
     if args.profile:
         frames = top_frames(args.profile / "worker-eos.raw")
         report["profile_top_self"] = [[share, frame] for share, frame in frames]
@@ -1419,6 +1457,7 @@ def print_table(report: dict[str, Any]) -> None:
             ),
         ]
     )
+    rows += stop_signal_table_rows(report.get("stop_signals"), interval)
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
@@ -1426,6 +1465,44 @@ def print_table(report: dict[str, Any]) -> None:
         print("\nhottest frames (self time) of the 1-worker exactly-once run:")
         for share, frame in report["profile_top_self"]:
             print(f"  {share:6.1%}  {frame}")
+
+
+def stop_signal_table_rows(
+    figures: dict[str, Any] | None, interval: int
+) -> list[tuple[str, str, str, str]]:
+    """The `--stop-signals` rows: delay, and the ids after stops the engine could skip."""
+    if figures is None:
+        return []
+    runs = ", ".join(f"{p99:.0f}" for p99 in figures["p99_runs_ms"])
+    return [
+        (
+            f"stop signal at {figures['tokens_per_s']:,.0f} tok/s ({figures['stopped']:,} stops)",
+            f"p50 {figures['p50_ms']:.0f} ms, p99 {figures['p99_ms']:.0f} ms (p99 runs: {runs})",
+            f"commit interval {interval} ms",
+            "",
+        ),
+        (
+            "  ids after the stops, this run",
+            f"{figures['ids_after_stops']:,} ids; made before the signal came: "
+            f"{figures['ids_before_signal']:,}; skippable: {figures['ids_skippable']:,} "
+            f"({figures['skippable_share']:.0%}) at the paced "
+            f"{figures['ids_per_s_per_request'] or 0:,.0f} ids/s per request",
+            "",
+            "",
+        ),
+        *(
+            (
+                f"  simulated engine, {sim['ids_per_s_per_request']:.0f} ids/s per request, "
+                f"max_tokens {sim['max_tokens'] or 'as scripted'}",
+                f"{sim['ids_after_stops']:,} ids after the stops; skippable "
+                f"{sim['ids_skippable']:,} ({sim['skippable_share']:.0%}); made before the "
+                f"signal: {sim['wasted_per_stop']:.1f} per stop",
+                "",
+                "",
+            )
+            for sim in figures["simulated"]
+        ),
+    ]
 
 
 def _timeline(timeline: dict[str, Any]) -> str:

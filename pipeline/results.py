@@ -16,6 +16,7 @@ from schemas.events import (
     Completion,
     DeadLetterReason,
     FilteredIdsRecord,
+    StopSignal,
     encode_json,
 )
 
@@ -154,6 +155,9 @@ class BatchResult:
     completions: list[Completion] = field(default_factory=list)
     filtered_ids: list[FilteredIdsRecord] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
+    # Requests ended before their finish event was consumed (a stop string, a failure, the
+    # TTL): the worker writes each to the control topic with its completion, for the engine.
+    stop_signals: list[StopSignal] = field(default_factory=list)
     duplicates: int = 0
     events_by_type: dict[str, int] = field(
         default_factory=lambda: {"prompt": 0, "tokens": 0, "finish": 0}

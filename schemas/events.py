@@ -341,6 +341,28 @@ class DeadLetterReason(StrEnum):
     PARTITION_MISMATCH = "partition_mismatch"
 
 
+# --- Stop signals (issue 31 item 2) ---------------------------------------------------------
+
+
+class StopSignal(_Wire):
+    """A control record: the worker ended a live request before its finish event arrived.
+
+    Written to the control topic (keyed by the request id) in the transaction of the request's
+    completion, so an engine that cannot see stop strings (a tokens-only engine) learns it may
+    abort the generation. A request that ends at its finish event gets none.
+    """
+
+    type: Literal["stop"] = "stop"
+    request_id: RequestId
+    model: ModelName
+    # "stop_string", or the dead-letter reason the request failed with (strict_decode_failure,
+    # output_too_large, ttl_expired, sequence_gap, ...).
+    reason: Literal["stop_string"] | DeadLetterReason
+    # Generated ids the completion used: for a stop string, up to the one whose text completed
+    # it; every later id the engine made was wasted.
+    generated_tokens: Annotated[int, Field(ge=0)]
+
+
 class DeadLetterRecord(_Wire):
     """A dead letter as `detok run` writes it to its dead-letter file (one JSON line)."""
 
@@ -388,6 +410,7 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "text-delta": TextDelta,
     "completion": Completion,
     "filtered-ids-metric": FilteredIdsRecord,
+    "stop-signal": StopSignal,
     "dead-letter-record": DeadLetterRecord,
     "logged-generation": LoggedGeneration,
 }

@@ -17,7 +17,7 @@ from pipeline.request_state import (
     RequestState,
     RestoredRequest,
 )
-from pipeline.requests.outcomes import Outcomes
+from pipeline.requests.outcomes import Outcomes, holds_finish, stop_signal
 from pipeline.results import BatchResult, DeadLetter
 from schemas.events import DeadLetterReason, encode_json
 
@@ -122,6 +122,8 @@ def expire_active(
     `ttl_expired` dead letter tells the user the same thing.
     """
     message = f"no event for {idle:.0f}s (ttl {ttl:.0f}s)"
+    if not holds_finish(state):  # an engine stuck or slow: it may yet generate for it
+        stop_signal(request_id, state, DeadLetterReason.TTL_EXPIRED, result)
     out.dead_letter_held(
         result,
         state,

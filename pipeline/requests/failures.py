@@ -19,11 +19,11 @@ from pipeline.request_state import (
     RequestState,
     active_head_fields,
 )
-from pipeline.requests.outcomes import Outcomes
+from pipeline.requests.outcomes import Outcomes, holds_finish
 from pipeline.requests.work import Work
 from pipeline.results import BatchResult, DeadLetter, Origin
-from schemas.events import Completion, DeadLetterReason
-from schemas.fast_events import ParsedEvent, ParsedTokens
+from schemas.events import Completion, DeadLetterReason, StopSignal
+from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedTokens
 
 
 def fail_decode(
@@ -67,6 +67,7 @@ def fail_decode(
         str(error),
         result,
         last_delta=(failing_event.event.seq, offset, partial_text),
+        finish_seen=entry.finished,
     )
 
 
@@ -91,6 +92,7 @@ def fail_too_large(out: Outcomes, entry: Work, text: str, result: BatchResult) -
         message,
         result,
         last_delta=(last.event.seq, offset, kept),
+        finish_seen=entry.finished,
     )
 
 
@@ -112,7 +114,9 @@ def fail_on_event(
         (h for i, h in enumerate(entry.events) if i != index),
         "another event of this request's chunk was unusable",
     )
-    out.end_failed(entry.request_id, entry.state, reason, message, result)
+    out.end_failed(
+        entry.request_id, entry.state, reason, message, result, finish_seen=entry.finished
+    )
 
 
 def fail_unexpected(out: Outcomes, entry: Work, error: BaseException, result: BatchResult) -> None:
@@ -128,6 +132,7 @@ def fail_unexpected(out: Outcomes, entry: Work, error: BaseException, result: Ba
             DeadLetterReason.UNEXPECTED_ERROR,
             _describe(error),
             result,
+            finish_seen=entry.finished,
         )
 
 
@@ -160,7 +165,12 @@ def fail_sequencing(
         if held is not None and held.event is event:
             del state.held[event.seq]  # type: ignore[attr-defined]  # holds one: a dict
         out.end_failed(
-            request_id, state, DeadLetterReason.UNEXPECTED_ERROR, _describe(error), result
+            request_id,
+            state,
+            DeadLetterReason.UNEXPECTED_ERROR,
+            _describe(error),
+            result,
+            finish_seen=type(event) is ParsedFinish or (entry is not None and entry.finished),
         )
     elif state is None:
         out.requests[request_id] = FailedRequest(
@@ -179,6 +189,7 @@ def fail_gap(
         f"seq {state.next_seq} never arrived; {len(state.held)} later events held "
         f"({state.held_bytes} bytes)"
     )
+    finish_seen = holds_finish(state)  # before they are dead-lettered
     out.dead_letter_held(result, state, DeadLetterReason.SEQUENCE_GAP, message)
     # In-order events of this batch would have been decoded with the request; now they
     # cannot be, and a consumed event is never dropped without a trace.
@@ -190,7 +201,10 @@ def fail_gap(
             entry.events,
             "the request failed on a sequence gap before this event was decoded",
         )
-    out.end_failed(request_id, state, DeadLetterReason.SEQUENCE_GAP, message, result)
+    finish_seen = finish_seen or (entry is not None and entry.finished)
+    out.end_failed(
+        request_id, state, DeadLetterReason.SEQUENCE_GAP, message, result, finish_seen=finish_seen
+    )
 
 
 def mark_failed(
@@ -249,6 +263,16 @@ def fail_restore(
     except ValueError:  # a model name no completion can carry: the dead letter tells
         return result
     result.completions.append(completion)
+    # A live request's head: its engine may still be generating (its held events, if it
+    # had any, are as lost as its text).
+    result.stop_signals.append(
+        StopSignal(
+            request_id=request_id,
+            model=head.model,
+            reason=DeadLetterReason.RESTORE_FAILED,
+            generated_tokens=head.generated_tokens,
+        )
+    )
     return result
 
 

@@ -26,7 +26,7 @@ from pipeline.request_state import (
 from pipeline.results import BatchResult, DeadLetter, Delta, Origin
 from pipeline.stages.logprobs import all_entries, new_entries
 from pipeline.tokenizer_registry import TokenizerRegistry
-from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord
+from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, StopSignal
 from schemas.fast_events import ParsedEvent, ParsedFinish
 
 
@@ -159,9 +159,12 @@ class Outcomes:
         message: str,
         result: BatchResult,
         last_delta: tuple[int, int, str] | None = None,
+        *,
+        finish_seen: bool = False,
     ) -> None:
         """Fail a live request: its final delta (seq, text offset, text) when it has one, a
-        failed completion with the text so far, and the failed marker."""
+        failed completion with the text so far, and the failed marker; and a stop signal
+        unless its finish event was consumed (`finish_seen`: in the failing chunk; or held)."""
         if last_delta is None and state.stop_held:
             # Text held back for a possible stop string is the request's: it goes out too.
             seq = state.next_seq - 1
@@ -176,6 +179,8 @@ class Outcomes:
                 Delta(request_id, state.model, state.delta_start, seq, offset, text, True, entries)
             )
         result.completions.append(self.completion(request_id, state, "failed", None, message))
+        if not (finish_seen or holds_finish(state)):
+            stop_signal(request_id, state, reason, result)
         marker = FailedRequest(model=state.model, reason=reason, last_event_at=state.last_event_at)
         self.close(request_id, state, marker, result)
 
@@ -183,11 +188,14 @@ class Outcomes:
         self, request_id: str, state: ActiveRequest, marker: RequestState, result: BatchResult
     ) -> None:
         """Replace an active request by its marker; held events can never be applied now."""
-        if type(marker) is FinishedRequest and marker.stopped and state.held:
-            # Events already held past a stop are events after it, like those still to come.
-            for seq in sorted(state.held):
-                self.after_stop(request_id, marker, state.held[seq].event, result)
-            state.release_held()
+        if type(marker) is FinishedRequest and marker.stopped:
+            if state.held:
+                # Events already held past a stop are events after it, like those still to come.
+                for seq in sorted(state.held):
+                    self.after_stop(request_id, marker, state.held[seq].event, result)
+                state.release_held()
+            if marker.stopped:  # still: no finish among them, the engine may be generating
+                stop_signal(request_id, state, "stop_string", result)
         reason = (
             DeadLetterReason.EVENT_AFTER_FINISH
             if isinstance(marker, FinishedRequest)
@@ -213,3 +221,27 @@ class Outcomes:
         if type(event) is ParsedFinish:
             state.stopped = False
         result.touched.add(request_id)
+
+
+def holds_finish(state: ActiveRequest) -> bool:
+    """Whether the request's finish event is among its held events (consumed, not yet in
+    order): its engine has finished, and a stop signal would tell it nothing."""
+    return bool(state.held) and any(type(h.event) is ParsedFinish for h in state.held.values())
+
+
+def stop_signal(
+    request_id: str,
+    state: ActiveRequest,
+    reason: Literal["stop_string"] | DeadLetterReason,
+    result: BatchResult,
+) -> None:
+    """The request ends before its finish event: tell its engine (the control topic), which
+    may still be generating for it. Made only on this rare path, never for a plain finish."""
+    result.stop_signals.append(
+        StopSignal(
+            request_id=request_id,
+            model=state.model,
+            reason=reason,
+            generated_tokens=state.generated_tokens,
+        )
+    )

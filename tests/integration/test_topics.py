@@ -131,7 +131,7 @@ def test_cli_ensure_is_idempotent_and_refuses_a_mismatch(
             "topics", "ensure", "--partitions", "2", *flags, bootstrap=kafka_bootstrap
         )
         assert result.returncode == 0, result.stderr
-    assert result.stdout.count("validated") == 6
+    assert result.stdout.count("validated") == len(names.all) == 7
     assert {count for count, _ in topic_shapes(kafka_bootstrap, names).values()} == {2}
 
     wrong_changelog = create_topic("cli-wrong-changelog", partitions=5)
@@ -162,6 +162,7 @@ def test_ensure_sets_record_limits_the_outputs_and_dead_letters_need(kafka_boots
     limits = topic_limits(kafka_bootstrap, names)
     assert limits.pop("input") == 1_048_588  # left at the broker's default
     assert limits.pop("dead_letters") == OUTPUT_MAX_MESSAGE_BYTES + 64 * 1024
+    assert limits.pop("control") == 64 * 1024  # stop signals: small records
     assert limits == dict.fromkeys(["deltas", "completions", "metrics", "changelog"], 8 << 20)
 
 

@@ -121,6 +121,24 @@ def make_generations(count: int, seed: int = 7) -> list[dict]:
     return generations
 
 
+def with_early_ends(generations: list[dict], seed: int, failures: bool = True) -> list[dict]:
+    """Half the requests get a stop string from the first half of their own text (it fires
+    well before the end); with `failures`, every tenth qwen2 request gets an id the tokenizer
+    lacks mid-way (a strict-decode failure)."""
+    rng = random.Random(seed)
+    tokenizers = worker_tokenizers()
+    for index, generation in enumerate(generations):
+        output = generation["output_token_ids"]
+        text = tokenizers[generation["model"]].decode(output)
+        if failures and generation["model"] == "qwen2" and index % 10 == 4 and len(output) > 8:
+            bad = rng.randint(151_646, QWEN_MODEL_VOCAB - 1)
+            generation["output_token_ids"] = [*output[:4], bad, *output[4:]]
+        elif index % 2 == 0 and len(text) > 24:
+            start = rng.randint(len(text) // 5, len(text) // 3)
+            generation["stop"] = [text[start : start + 3], "never-ever"]
+    return generations
+
+
 def paced_replay(bootstrap: str, source: Path, topic: str, rate: float) -> threading.Thread:
     """Replay `source` at `rate` events/s in the background, so workers can be killed, added
     and removed while the stream is still flowing; join the thread to wait for the end."""

@@ -180,6 +180,25 @@ def test_prompt_tail_sends_every_longer_prompt_as_its_tail() -> None:
     assert sink.events("b")[0]["prompt_tokens"] == 900
 
 
+def test_abandon_closes_a_request_without_sending_its_buffer() -> None:
+    """A request the worker ended (a stop signal): nothing more goes out for it, its buffered
+    ids included, and its id may not be appended to; other requests go on."""
+    sink = Records()
+    events = RequestEvents(sink)
+    events.open("a", "m", [1])
+    events.open("b", "m", [1])
+    events.append("a", [5, 6])
+    events.append("b", [7])
+    assert events.abandon("a") is True
+    assert "a" not in events and "b" in events
+    assert events.abandon("a") is False  # not open any more: costs nothing
+    events.flush()
+    assert [e["type"] for e in sink.events("a")] == ["prompt"]
+    assert [e.get("token_ids") for e in sink.events("b")] == [None, [7]]
+    with pytest.raises(RequestStateError):
+        events.append("a", [8])
+
+
 def test_calls_outside_a_request_life_are_refused_before_sending() -> None:
     sink = Records()
     events = RequestEvents(sink)

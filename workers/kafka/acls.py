@@ -5,16 +5,20 @@ Confluent Cloud, Strimzi's simple authorization) lets a principal do only what a
 Each role holds what its commands were seen to need on the secured local broker (Kafka 4.4;
 tests/integration/test_secured_pipeline.py runs the pipeline with exactly these):
 
-- worker: READ the input; READ+WRITE the changelog; WRITE deltas, completions, metrics and dead
-  letters; DESCRIBE_CONFIGS on all six topics (start-up reads each topic's max.message.bytes to
-  size what it writes: refused without it); READ its consumer group `G` (refused without it) and
-  `G-restore` (the changelog restore assigns partitions and commits nothing, but its client
-  still looks up the group's coordinator, which needs DESCRIBE, implied by READ); WRITE its
-  transactional ids (prefix `detok-G-`; init_transactions is refused without it).
+- worker: READ the input; READ+WRITE the changelog; WRITE deltas, completions, metrics, dead
+  letters and control (stop signals); DESCRIBE_CONFIGS on all seven topics (start-up reads each
+  topic's max.message.bytes to size what it writes: refused without it); READ its consumer
+  group `G` (refused without it) and `G-restore` (the changelog restore assigns partitions and
+  commits nothing, but its client still looks up the group's coordinator, which needs
+  DESCRIBE, implied by READ); WRITE its transactional ids (prefix `detok-G-`;
+  init_transactions is refused without it).
 - reader: READ deltas, completions and metrics, and groups with prefix `detok-collect-` (the
   private group id `detok collect` reads under; it too only looks up the coordinator).
 - producer: WRITE and DESCRIBE_CONFIGS the input (replay sizes records by the input's limit);
-  READ the dead letters and groups with prefix `detok-redrive-`, for `detok dlq redrive`.
+  READ the dead letters and groups with prefix `detok-redrive-`, for `detok dlq redrive`; READ
+  the control topic and groups with prefix `detok-stop-signals-`, for an engine's
+  `workers.io.publish.StopSignals` (it assigns partitions and commits nothing, but looks up its
+  group's coordinator like the restore above).
 
 Kafka implies DESCRIBE from READ or WRITE, and DESCRIBE on a transactional id from WRITE, so no
 DESCRIBE ACL is listed; IdempotentWrite on the cluster is not needed since Kafka 3.0 (KIP-679):
@@ -46,6 +50,9 @@ DEFAULT_GROUPS: dict[Role, str] = {
     "reader": "detok-collect-",
     "producer": "detok-redrive-",
 }
+# The private group ids `workers.io.publish.StopSignals` reads under (the producer role: the
+# engine that publishes also receives its stop signals). Defined here, below the library.
+STOP_SIGNALS_GROUP_PREFIX = "detok-stop-signals-"
 # Creating a handful of ACLs takes milliseconds on a live cluster; 30 s covers a controller that
 # is still starting without letting the command hang.
 ADMIN_TIMEOUT_S = 30.0
@@ -99,7 +106,10 @@ def role_grants(role: Role, names: TopicNames, group: str | None = None) -> list
         return [
             *_topics([names.input], READ),
             *_topics([names.changelog], READ, WRITE),
-            *_topics([names.deltas, names.completions, names.metrics, names.dead_letters], WRITE),
+            *_topics(
+                [names.deltas, names.completions, names.metrics, names.dead_letters, names.control],
+                WRITE,
+            ),
             *_topics(names.model_dump().values(), DESCRIBE_CONFIGS),
             Grant(ResourceType.GROUP, group, READ),
             Grant(ResourceType.GROUP, f"{group}-restore", READ),
@@ -112,8 +122,9 @@ def role_grants(role: Role, names: TopicNames, group: str | None = None) -> list
         ]
     return [
         *_topics([names.input], WRITE, DESCRIBE_CONFIGS),
-        *_topics([names.dead_letters], READ),
+        *_topics([names.dead_letters, names.control], READ),
         Grant(ResourceType.GROUP, group, READ, prefixed=True),
+        Grant(ResourceType.GROUP, STOP_SIGNALS_GROUP_PREFIX, READ, prefixed=True),
     ]
 
 

@@ -1,4 +1,4 @@
-"""The six topic names of one pipeline deployment.
+"""The seven topic names of one pipeline deployment.
 
 A module of its own, free of argparse and the admin client, because every room needs the names
 (the worker's settings, the commands, the demo, bench) while only `detok topics ensure` needs to
@@ -16,7 +16,7 @@ TopicName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9._-]{1,249}$")]
 
 
 class TopicNames(BaseModel):
-    """The six topic names of one pipeline deployment."""
+    """The seven topic names of one pipeline deployment."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -26,6 +26,8 @@ class TopicNames(BaseModel):
     metrics: TopicName = "detok.metrics"
     dead_letters: TopicName = "detok.dead-letters"
     changelog: TopicName = "detok.state-changelog"
+    # Stop signals for engines: requests the worker ended before their finish event.
+    control: TopicName = "detok.control"
 
     @model_validator(mode="after")
     def _names_are_distinct(self) -> TopicNames:
@@ -47,6 +49,7 @@ class TopicNames(BaseModel):
             metrics=f"{prefix}.metrics",
             dead_letters=f"{prefix}.dead-letters",
             changelog=f"{prefix}.state-changelog",
+            control=f"{prefix}.control",
         )
 
     @property

@@ -107,6 +107,8 @@ class Emitter:
             )
         for letter in result.dead_letters:
             self.dead_letter(letter)
+        if result.stop_signals:  # requests ended early: rare, and nothing to do otherwise
+            outputs += self.writer.stop_signals(result)
         self.checkpoint.dirty |= result.touched
         self.metrics.observe_outputs(result)
 

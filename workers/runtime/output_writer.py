@@ -125,7 +125,23 @@ class OutputWriter:
             self.write(Output(self.topics.completions, key, value, request_id=key.decode()))
         for letter in result.dead_letters:
             self.write(self.dead_letter(letter))
+        for output in self.stop_signals(result):
+            self.write(output)
         self.metrics.observe_outputs(result)
+
+    def stop_signals(self, result: BatchResult) -> list[Output]:
+        """The control records of the requests `result` ended before their finish event, keyed
+        by request id, for the engines (`workers.io.publish.StopSignals`): produced with the
+        completions, so in the same transaction under exactly-once."""
+        return [
+            Output(
+                self.topics.control,
+                signal.request_id.encode(),
+                dump_json(signal),
+                request_id=signal.request_id,
+            )
+            for signal in result.stop_signals
+        ]
 
     def write_stand_in(self, letter: DeadLetter, *, keep_original: bool) -> None:
         """Produce a valueless dead letter at once: it stands in for a record that could not be
@@ -156,7 +172,8 @@ class OutputWriter:
         - a snapshot (head or text segment): the request is marked failed, its (small) failed
           marker written under its head key and tombstones under its segment keys;
         - a completion: replaced by a failed completion without text;
-        - a delta or a filtered-ids record: left out (the completion carries the text).
+        - a delta, a filtered-ids record or a stop signal: left out (the completion carries the
+          text and the outcome).
         Each also leaves an `output_too_large` dead letter naming the request.
         """
         size = self.limits.record_bytes(output.key, output.value, output.headers)

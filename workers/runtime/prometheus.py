@@ -77,6 +77,12 @@ class PrometheusMetrics:
         self.completions_produced = Counter(
             "detok_completions_produced", "Completions produced, by status", ["status"], registry=r
         )
+        self.stop_signals_produced = Counter(
+            "detok_stop_signals_produced",
+            "Stop signals produced for engines (requests ended before their finish), by reason",
+            ["reason"],
+            registry=r,
+        )
         self.metric_events_produced = Counter(
             "detok_metric_events_produced", "Filtered-prompt-id metric events produced", registry=r
         )
@@ -237,6 +243,8 @@ class PrometheusMetrics:
         for metric in result.filtered_ids:
             self.prompt_ids_filtered.labels(model=metric.model).inc(metric.filtered_count)
         self.metric_events_produced.inc(len(result.filtered_ids))
+        for signal in result.stop_signals:
+            self.stop_signals_produced.labels(reason=signal.reason).inc()
 
     def observe_commit(self, seconds: float, committed: bool, recommitted: bool = False) -> None:
         self.transactions.labels(outcome="committed" if committed else "aborted").inc()

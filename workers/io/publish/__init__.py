@@ -1,10 +1,13 @@
-"""The engine side of detok: publish live requests' token ids as the worker expects them.
+"""The engine side of detok: publish live requests' token ids as the worker expects them, and
+hear which of them the worker ended early (stop signals).
 
 `Publisher` (threads) and `AsyncPublisher` (asyncio) over `RequestEvents`, the broker-free core
-that numbers, keys and coalesces events; docs/engines.md shows an engine loop.
+that numbers, keys and coalesces events; `StopSignals` and `AsyncStopSignals` over the control
+topic; docs/engines.md shows an engine loop.
 """
 
-from workers.io.publish.aio import AsyncPublisher, StepOutput
+from schemas.events import StopSignal
+from workers.io.publish.aio import AsyncPublisher, AsyncStopSignals, StepOutput
 from workers.io.publish.events import PromptOptions, RequestEvents, RequestStateError
 from workers.io.publish.publisher import (
     DEFAULT_LINGER_S,
@@ -12,10 +15,13 @@ from workers.io.publish.publisher import (
     Publisher,
     PublishFailed,
 )
+from workers.io.publish.stop_signals import DEFAULT_CONTROL_TOPIC, StopSignals
 
 __all__ = [
+    "DEFAULT_CONTROL_TOPIC",
     "DEFAULT_LINGER_S",
     "AsyncPublisher",
+    "AsyncStopSignals",
     "FailedRecord",
     "PublishFailed",
     "Publisher",
@@ -23,4 +29,6 @@ __all__ = [
     "PromptOptions",
     "RequestStateError",
     "StepOutput",
+    "StopSignal",
+    "StopSignals",
 ]

@@ -12,8 +12,10 @@ import asyncio
 from collections.abc import AsyncIterable, Sequence
 from typing import Any, NamedTuple, Unpack
 
+from schemas.events import StopSignal
 from workers.io.publish.events import PromptOptions
 from workers.io.publish.publisher import Publisher
+from workers.io.publish.stop_signals import StopSignals
 from workers.kafka.clients import DeliveryReport
 
 
@@ -76,6 +78,13 @@ class AsyncPublisher:
     async def finish(self, request_id: str, finish_reason: str | None = None) -> None:
         self.publisher.finish(request_id, finish_reason)
 
+    async def abandon(self, request_id: str) -> bool:
+        """`Publisher.abandon`."""
+        return self.publisher.abandon(request_id)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.publisher
+
     async def publish(self, outputs: AsyncIterable[StepOutput | tuple]) -> int:
         """Append every output of the stream to its (already opened) request and finish the
         request at its `finished` output; the number of requests finished."""
@@ -95,3 +104,48 @@ class AsyncPublisher:
 
     async def close(self, timeout_s: float | None = None) -> DeliveryReport:
         return await asyncio.to_thread(self.publisher.close, timeout_s)
+
+
+class AsyncStopSignals:
+    """`StopSignals` for asyncio engines: `async for signal in signals`, or `await get()`.
+
+    Its consumer polls on a background thread (`StopSignals(on_stop=...)`), which hands each
+    signal to the event loop's queue: the loop never waits on the network. Make it with
+    `await AsyncStopSignals.create(...)` (the same arguments as `StopSignals`, without
+    `on_stop`) on the loop that will read it.
+    """
+
+    def __init__(self, queue: asyncio.Queue[StopSignal]) -> None:
+        self.queue = queue
+        self.signals: StopSignals | None = None
+
+    @classmethod
+    async def create(cls, *args: Any, **kwargs: Any) -> AsyncStopSignals:
+        loop = asyncio.get_running_loop()
+        made = cls(asyncio.Queue())
+
+        def on_stop(signal: StopSignal) -> None:
+            loop.call_soon_threadsafe(made.queue.put_nowait, signal)
+
+        made.signals = await asyncio.to_thread(StopSignals, *args, on_stop=on_stop, **kwargs)
+        return made
+
+    async def get(self) -> StopSignal:
+        """The next signal, waiting for it."""
+        return await self.queue.get()
+
+    def __aiter__(self) -> AsyncStopSignals:
+        return self
+
+    async def __anext__(self) -> StopSignal:
+        return await self.queue.get()
+
+    async def __aenter__(self) -> AsyncStopSignals:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self.signals is not None:
+            await asyncio.to_thread(self.signals.close)

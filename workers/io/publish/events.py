@@ -184,6 +184,16 @@ class RequestEvents:
         event = ParsedFinish(request_id=request_id, seq=live.next_seq, finish_reason=finish_reason)
         self._sink(live.key, encode_event(event), live.next_seq)
 
+    def abandon(self, request_id: str) -> bool:
+        """Close a request without sending anything more (its buffered ids are dropped): the
+        worker already ended it (a stop signal), so later events would only be set aside.
+        False when the request is not open."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        live.ids, live.logprobs, live.top_logprobs = [], [], []  # `flush` skips it
+        return True
+
     def flush(self) -> int:
         """Send every buffered id as tokens events; the number of ids sent."""
         pending, self._pending = self._pending, []

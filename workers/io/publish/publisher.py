@@ -191,6 +191,16 @@ class Publisher:
             self._raise_failures()
             self._events.finish(request_id, finish_reason)
 
+    def abandon(self, request_id: str) -> bool:
+        """Close a request the worker ended (a stop signal) without sending more: no finish
+        event, its buffered ids dropped. False when it was not open (finished already)."""
+        with self._lock:
+            return self._events.abandon(request_id)
+
+    def __contains__(self, request_id: object) -> bool:
+        """Whether `request_id` is open: `StopSignals(requests=publisher)` skips the others."""
+        return request_id in self._events  # a dict lookup: atomic, no lock needed
+
     def pass_through(self, value: bytes) -> None:
         """Produce `value` unkeyed, as it is: `detok replay` sends an input line it could not
         read this way, so the worker dead-letters it as it would a broken producer's record."""
