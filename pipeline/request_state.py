@@ -204,6 +204,9 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     # request rebuilds them from its columns).
     lp_built: list[Any] | tuple[()] = ()  # `TokenLogprob`s
     stop_matcher: Any = None  # its `stop_strings.StopScanner`, made on first use
+    # Its text stages (`pipeline.stages.Stages.of`), kept once chosen; None: not chosen yet
+    # (a new or restored request), chosen again from the fields above. Not snapshotted.
+    stages: Any = None
     logged_parts: int = 0  # leading `text_parts` already written as changelog segments
     lp_logged: int = 0  # leading logprob column entries already written as changelog segments
 

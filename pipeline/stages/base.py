@@ -1,0 +1,108 @@
+"""The text-stage interface: what a request's options do to its text, in one shape.
+
+A text stage sits between the decode and the outcomes of one request. The decoder asks each of
+a request's stages, in order, what it needs of the decode (`per_token`: each id's text, so the
+chunk is pushed id by id; `stream_before`: a copy of the stream from before the chunk), whether
+a chunk can be used (`check`), whether the chunk ended the request (`ended`), and hands each
+the chunk's ids that count (`decoded`). The text then flows through the stages: `release` says
+what of the text reaching a stage may go on now (the rest it holds back), `publish` fills in
+or rewrites the stage's fields of a delta, `complete` those of the completion. A stage's state
+lives on the request's state (`pipeline.request_state`), in its own snapshot field.
+
+A request's stages are chosen in one place (`pipeline.stages.Stages`), from its prompt event
+and the processor's configuration, by a `StageKind` per stage module: a request without
+options gets the empty tuple and pays for no hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from pipeline.chat.config import ChatParsers
+    from pipeline.decode_stream import DecodeStream
+    from pipeline.request_state import ActiveRequest
+    from pipeline.requests.outcomes import Outcomes
+    from pipeline.requests.work import Work
+    from pipeline.results import BatchResult, Delta
+    from pipeline.tokenizer_registry import ModelTokenizer, TokenizerRegistry
+    from schemas.events import DeadLetterReason
+    from schemas.fast_events import ParsedPrompt
+
+# (index of the unusable event in the chunk, reason, message): what fails a chunk's request.
+Fault = tuple[int, "DeadLetterReason", str]
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One request's chunk as decoded, as its stages see it."""
+
+    entry: Work
+    ids: list[int]  # the chunk's generated ids, joined
+    pushed: int  # how many of them were decoded (all, or those before a failing id)
+    text: str  # their text, with the finish flush when the chunk finishes the request
+    texts: list[str] | None  # each pushed id's text, when a stage asked (`per_token`)
+    before: DecodeStream | None  # the stream before the chunk, when a stage asked
+    finished: bool
+    stages: tuple[TextStage, ...]
+
+
+class TextStage:
+    """One decode option's work on a request's text; every hook defaults to doing nothing."""
+
+    __slots__ = ()
+    per_token: ClassVar[bool] = False  # the chunk is pushed id by id, `Chunk.texts` filled
+    stream_before: ClassVar[bool] = False  # `Chunk.before` is a copy of the stream
+
+    def check(self, entry: Work) -> Fault | None:
+        """Before the chunk is decoded: None, or the event that fails its request."""
+        return None
+
+    def ended(self, out: Outcomes, chunk: Chunk, result: BatchResult) -> bool:
+        """Whether this stage ended the request at this chunk (having published its end)."""
+        return False
+
+    def decoded(self, state: ActiveRequest, chunk: Chunk, count: int) -> None:
+        """The chunk's first `count` ids are the request's (all pushed, or up to a stop)."""
+
+    def release(self, state: ActiveRequest, text: str, finished: bool) -> str:
+        """Of the text reaching this stage, what goes on now; the stage holds the rest."""
+        return text
+
+    def publish(self, state: ActiveRequest, delta: Delta) -> None:
+        """Fill in (or rewrite) this stage's fields of a delta about to be published."""
+
+    def complete(self, state: ActiveRequest, fields: dict[str, Any]) -> None:
+        """Fill in (or rewrite) this stage's fields of the request's completion."""
+
+    def holds(self, state: ActiveRequest) -> bool:
+        """Whether the stage holds text back that a failure must still publish."""
+        return False
+
+
+class StageKind:
+    """A stage module's choice, made once per processor: which requests get the stage."""
+
+    __slots__ = ()
+
+    def opened(self, event: ParsedPrompt, model: ModelTokenizer) -> Mapping[str, Any]:
+        """The request state's fields this stage takes from its prompt event."""
+        return {}
+
+    def choose(self, state: ActiveRequest, entry: Work | None) -> TextStage | None:
+        """The request's stage, or None when it has none (`entry`: its chunk, if decoding)."""
+        return None
+
+    def settled(self, state: ActiveRequest, entry: Work | None) -> bool:
+        """Whether `choose` can no longer change its answer for this request."""
+        return True
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """What stage kinds are built from: the processor's registry and chat-parser settings."""
+
+    registry: TokenizerRegistry
+    chat_parsers: ChatParsers
