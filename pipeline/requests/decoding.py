@@ -65,7 +65,7 @@ class Decoder:
                 continue
             stages = state.stages
             if stages is None:
-                stages = choose(state, entry)
+                stages = choose(entry.request_id, state, entry)
             if not stages:
                 plain.append((entry, _joined_ids(entry.events)))  # no stage: the fast path
                 continue

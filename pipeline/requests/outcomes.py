@@ -104,7 +104,7 @@ class Outcomes:
         where the text ends, less what is held back) through the request's stages, which fill
         in their fields; a delta that carries nothing is not published, unless `final`."""
         if stages is None:
-            stages = self.stages.of(state)
+            stages = self.stages.of(request_id, state)
         if not stages and not (text or final):
             return
         offset = state.text_chars - len(state.stop_held) - len(text)
@@ -160,7 +160,7 @@ class Outcomes:
             "error": error,
             "stop_reason": stop_reason,
         }
-        for stage in self.stages.of(state):
+        for stage in self.stages.of(request_id, state):
             stage.complete(state, fields)
         return Completion(**fields)
 
@@ -175,7 +175,7 @@ class Outcomes:
     ) -> None:
         """Fail a live request: its final delta (seq, the text the failing chunk added) when
         it has one, a failed completion with the text so far, and the failed marker."""
-        stages = self.stages.of(state)
+        stages = self.stages.of(request_id, state)
         if last_delta is None and any(stage.holds(state) for stage in stages):
             # Text a stage holds back (for a possible stop string) is the request's: it goes
             # out too.

@@ -37,7 +37,9 @@ class Stages:
             fields.update(kind.opened(event, model))
         return fields
 
-    def of(self, state: ActiveRequest, entry: Work | None = None) -> tuple[TextStage, ...]:
+    def of(
+        self, request_id: str, state: ActiveRequest, entry: Work | None = None
+    ) -> tuple[TextStage, ...]:
         """The request's stages, in order; kept on the state once no kind can change its
         answer (a request's first ids decide its logprobs), so a request without options
         pays one attribute test per chunk."""
@@ -45,7 +47,9 @@ class Stages:
         if stages is not None:
             return stages
         chosen = tuple(
-            stage for kind in self.kinds if (stage := kind.choose(state, entry)) is not None
+            stage
+            for kind in self.kinds
+            if (stage := kind.choose(request_id, state, entry)) is not None
         )
         if all(kind.settled(state, entry) for kind in self.kinds):
             state.stages = chosen or NO_STAGES

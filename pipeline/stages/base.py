@@ -91,8 +91,10 @@ class StageKind:
         """The request state's fields this stage takes from its prompt event."""
         return {}
 
-    def choose(self, state: ActiveRequest, entry: Work | None) -> TextStage | None:
-        """The request's stage, or None when it has none (`entry`: its chunk, if decoding)."""
+    def choose(self, request_id: str, state: ActiveRequest, entry: Work | None) -> TextStage | None:
+        """The request's stage, or None when it has none (`entry`: its chunk, if decoding). A
+        stage that keeps state of its own (beyond the request's fields) is made here, for
+        a new request or one restored from its snapshot."""
         return None
 
     def settled(self, state: ActiveRequest, entry: Work | None) -> bool:

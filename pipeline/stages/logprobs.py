@@ -36,7 +36,7 @@ class Logprobs(TextStage, StageKind):
     def __init__(self, config: StageConfig) -> None:
         self.registry = config.registry
 
-    def choose(self, state: ActiveRequest, entry: Work | None) -> TextStage | None:
+    def choose(self, request_id: str, state: ActiveRequest, entry: Work | None) -> TextStage | None:
         """Decided by the request's first tokens event with ids, so a request decoded without
         logprobs costs nothing here once decided."""
         logprobs = state.logprobs

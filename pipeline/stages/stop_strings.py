@@ -39,7 +39,7 @@ class StopStrings(TextStage, StageKind):
     def opened(self, event: ParsedPrompt, model: ModelTokenizer) -> Mapping[str, Any]:
         return {"stop": event.stop, "include_stop_str_in_output": event.include_stop_str_in_output}
 
-    def choose(self, state: ActiveRequest, entry: Work | None) -> TextStage | None:
+    def choose(self, request_id: str, state: ActiveRequest, entry: Work | None) -> TextStage | None:
         return self if state.stop is not None else None
 
     def ended(self, out: Outcomes, chunk: Chunk, result: BatchResult) -> bool:
