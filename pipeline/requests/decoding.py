@@ -188,7 +188,7 @@ class Decoder:
         out.publish(entry.request_id, state, last.seq, published, finished, result, stages)
         if finished:
             result.completions.append(
-                out.completion(entry.request_id, state, "ok", last.finish_reason)
+                out.completion(entry.request_id, state, "ok", last.finish_reason, stages=stages)
             )
             marker = FinishedRequest(last_seq=last.seq, last_event_at=state.last_event_at)
             out.close(entry.request_id, state, marker, result)

@@ -146,8 +146,10 @@ class Outcomes:
         finish_reason: str | None,
         error: str | None = None,
         stop_reason: str | None = None,
+        stages: tuple[TextStage, ...] | None = None,
     ) -> Completion:
-        """The request's completion, its stages' fields filled in."""
+        """The request's completion, its stages' fields filled in (`stages`: those its last
+        chunk went through, when the caller has them)."""
         fields: dict[str, Any] = {
             "request_id": request_id,
             "model": state.model,
@@ -160,7 +162,9 @@ class Outcomes:
             "error": error,
             "stop_reason": stop_reason,
         }
-        for stage in self.stages.of(request_id, state):
+        if stages is None:
+            stages = self.stages.of(request_id, state)
+        for stage in stages:
             stage.complete(state, fields)
         return Completion(**fields)
 
@@ -187,7 +191,8 @@ class Outcomes:
             text = state.stop_held + text
             state.stop_held = ""
             self.publish(request_id, state, seq, text, True, result, stages)
-        result.completions.append(self.completion(request_id, state, "failed", None, message))
+        completion = self.completion(request_id, state, "failed", None, message, stages=stages)
+        result.completions.append(completion)
         marker = FailedRequest(model=state.model, reason=reason, last_event_at=state.last_event_at)
         self.close(request_id, state, marker, result)
 

@@ -113,9 +113,10 @@ def stop(out: Outcomes, chunk: Chunk, match: StopMatch, result: BatchResult) -> 
     stopping = len(events) - 1 if in_flush else _event_of_token(events, completing)
     seq = events[stopping].event.seq
     out.publish(entry.request_id, state, seq, whole[base:], True, result, chunk.stages)
-    result.completions.append(
-        out.completion(entry.request_id, state, "ok", "stop", stop_reason=match.stop)
+    completion = out.completion(
+        entry.request_id, state, "ok", "stop", stop_reason=match.stop, stages=chunk.stages
     )
+    result.completions.append(completion)
     result.events_after_stop += len(events) - 1 - stopping
     marker = FinishedRequest(
         last_seq=events[-1].event.seq,
