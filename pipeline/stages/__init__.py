@@ -3,7 +3,8 @@ a request's stages are chosen (`Stages`).
 
 `KINDS` lists the stage modules in the order a chunk's text goes through them: stop strings
 first (they decide what text there is, as vLLM's detokenizer stops before its serving layer
-parses), logprobs last (their entries are per token, on the text as decoded). Adding a stage is
+parses), then chat outputs (reasoning and tool calls split from what stop strings release),
+logprobs last (their entries are per token, on the text as decoded). Adding a stage is
 its module, its snapshot field in `pipeline.request_state._ActiveFields`, and its line here.
 """
 
@@ -14,12 +15,13 @@ from typing import Any
 from pipeline.request_state import ActiveRequest
 from pipeline.requests.work import Work
 from pipeline.stages.base import StageConfig, StageKind, TextStage
+from pipeline.stages.chat import Chat
 from pipeline.stages.logprobs import Logprobs
 from pipeline.stages.stop_strings import StopStrings
 from pipeline.tokenizer_registry import ModelTokenizer
 from schemas.fast_events import ParsedPrompt
 
-KINDS: tuple[type[StageKind], ...] = (StopStrings, Logprobs)
+KINDS: tuple[type[StageKind], ...] = (StopStrings, Chat, Logprobs)
 
 NO_STAGES: tuple[TextStage, ...] = ()
 
