@@ -29,17 +29,15 @@ from pipeline.request_state import FinishedRequest, HeldEvent, json_size
 from pipeline.requests import failures
 from pipeline.requests.outcomes import Outcomes
 from pipeline.requests.work import Work
-from pipeline.results import BatchResult
-from pipeline.stages.base import Chunk, TextStage
+from pipeline.results import BatchResult, Delta
+from pipeline.stages.base import NO_PLAN, Chunk, Plan
 from schemas.fast_events import ParsedFinish, ParsedTokens
 from schemas.validation import is_record_fault
 
 # (request, its chunk, its decode outcome, per-token texts or None, its stream before or None,
-# its stages)
-_Step = tuple[
-    Work, list[int], ChunkResult, list[str] | None, DecodeStream | None, tuple[TextStage, ...]
-]
-_Staged = tuple[Work, list[int], DecodeStream | None, tuple[TextStage, ...]]
+# its stages' plan)
+_Step = tuple[Work, list[int], ChunkResult, list[str] | None, DecodeStream | None, Plan]
+_Staged = tuple[Work, list[int], DecodeStream | None, Plan]
 
 
 class Decoder:
@@ -63,20 +61,20 @@ class Decoder:
             state = entry.state
             if requests.get(entry.request_id) is not state:
                 continue
-            stages = state.stages
-            if stages is None:
-                stages = choose(entry.request_id, state, entry)
-            if not stages:
+            plan = state.stages
+            if plan is None:
+                plan = choose(entry.request_id, state, entry)
+            if not plan.stages:
                 plain.append((entry, _joined_ids(entry.events)))  # no stage: the fast path
                 continue
             try:
-                self._stages_asked(entry, stages, staged, singles, result)
+                self._stages_asked(entry, plan, staged, singles, result)
             except BaseException as error:  # as in `process`: this request only
                 if not is_record_fault(error):
                     raise
                 failures.fail_unexpected(self.outcomes, entry, error, result)
         batched = list(staged)
-        batched += [(w, chunk, None, ()) for w, chunk in plain]
+        batched += [(w, chunk, None, NO_PLAN) for w, chunk in plain]
         try:
             outcomes = decode_round([(w.state.stream, chunk) for w, chunk, _, _ in batched])
         except BaseException as error:  # the round isolates streams; this fault is around them
@@ -86,23 +84,24 @@ class Decoder:
                 failures.fail_unexpected(self.outcomes, entry, error, result)
             return
         steps: list[_Step] = [
-            (w, c, o, None, before, stages)
-            for (w, c, before, stages), o in zip(batched, outcomes, strict=True)
+            (w, c, o, None, before, plan)
+            for (w, c, before, plan), o in zip(batched, outcomes, strict=True)
         ]
         # Requests with stages first, then the rest: the order results have always come in.
         steps[len(staged) : len(staged)] = singles
-        for step in steps:
+        advance = self._advance
+        for entry, chunk, outcome, texts, before, plan in steps:
             try:
-                self._advance(*step, result)
+                advance(entry, chunk, outcome, texts, before, plan, result)
             except BaseException as unexpected:  # as in `process`: this request only
                 if not is_record_fault(unexpected):
                     raise
-                failures.fail_unexpected(self.outcomes, step[0], unexpected, result)
+                failures.fail_unexpected(self.outcomes, entry, unexpected, result)
 
     def _stages_asked(
         self,
         entry: Work,
-        stages: tuple[TextStage, ...],
+        plan: Plan,
         staged: list[_Staged],
         singles: list[_Step],
         result: BatchResult,
@@ -110,26 +109,24 @@ class Decoder:
         """What a request's stages need of its decode: each id's text (into `singles`, pushed
         id by id here) or a copy of the stream before the chunk (into `staged`, for the
         batched round). A chunk a stage cannot use fails its request here."""
-        per_token = before = False
-        for stage in stages:
-            fault = stage.check(entry)
+        for check in plan.checks:
+            fault = check(entry)
             if fault is not None:
                 failures.fail_on_event(self.outcomes, entry, *fault, result)
                 return
-            per_token = per_token or stage.per_token
-            before = before or stage.stream_before
         chunk = _joined_ids(entry.events)
         stream = entry.state.stream
-        if per_token:
+        if plan.per_token:
             texts: list[str] = []
             try:
                 push_each(stream, chunk, texts)
                 outcome = ChunkResult("".join(texts))
             except (StrictDecodeError, InvalidTokenIdError) as error:
                 outcome = ChunkResult("".join(texts), error)
-            singles.append((entry, chunk, outcome, texts, None, stages))
+            singles.append((entry, chunk, outcome, texts, None, plan))
         else:
-            staged.append((entry, chunk, stream.clone() if before else None, stages))  # type: ignore[arg-type]
+            before = stream.clone() if plan.stream_before else None
+            staged.append((entry, chunk, before, plan))  # type: ignore[arg-type]
 
     def _advance(
         self,
@@ -138,7 +135,7 @@ class Decoder:
         outcome: ChunkResult,
         texts: list[str] | None,
         before: DecodeStream | None,
-        stages: tuple[TextStage, ...],
+        plan: Plan,
         result: BatchResult,
     ) -> None:
         """A chunk's decoded text into its request: through its stages (a stop found, the ids
@@ -161,13 +158,14 @@ class Decoder:
             text += state.stream.flush()
         if chunk and state.logprobs is None:
             state.logprobs = False  # its first ids came without logprobs: see `Logprobs.choose`
-        if stages:
-            step = Chunk(entry, chunk, pushed, text, texts, before, finished, stages)
-            for stage in stages:
-                if stage.ended(out, step, result):
+        staged = plan.stages  # falsy for a request without options: no stage work below
+        if staged and (plan.ends or plan.decodes):
+            step = Chunk(entry, chunk, pushed, text, texts, before, finished, plan)
+            for ended in plan.ends:
+                if ended(out, step, result):
                     return
-            for stage in stages:
-                stage.decoded(state, step, pushed)
+            for decoded in plan.decodes:
+                decoded(state, step, pushed)
         if error is not None:
             failures.fail_decode(out, entry, chunk, text, error, result)  # type: ignore[arg-type]
             return
@@ -182,13 +180,23 @@ class Decoder:
                 return
         state.add_text(text, size)
         published = text
-        for stage in stages:
-            published = stage.release(state, published, finished)
+        if staged:
+            for release in plan.releases:
+                published = release(state, published, finished)
         out.filtered_ids(entry.request_id, state, result)
-        out.publish(entry.request_id, state, last.seq, published, finished, result, stages)
+        if plan.publishes:
+            out.publish(entry.request_id, state, last.seq, published, finished, result, plan)
+        elif published or finished:  # no stage fills in a field: the delta as it is, inline
+            offset = state.text_chars - len(state.stop_held) - len(published)
+            delta = Delta(
+                entry.request_id, state.model, state.delta_start, last.seq, offset, published,
+                finished,
+            )  # fmt: skip
+            result.deltas.append(delta)
+            state.delta_start = last.seq + 1
         if finished:
             result.completions.append(
-                out.completion(entry.request_id, state, "ok", last.finish_reason, stages=stages)
+                out.completion(entry.request_id, state, "ok", last.finish_reason, plan=plan)
             )
             marker = FinishedRequest(last_seq=last.seq, last_event_at=state.last_event_at)
             out.close(entry.request_id, state, marker, result)

@@ -28,7 +28,7 @@ from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord
 from schemas.fast_events import ParsedEvent, ParsedFinish
 
 if TYPE_CHECKING:
-    from pipeline.stages import Stages, TextStage
+    from pipeline.stages import Plan, Stages
 
 
 class Outcomes:
@@ -98,20 +98,20 @@ class Outcomes:
         text: str,
         final: bool,
         result: BatchResult,
-        stages: tuple[TextStage, ...] | None = None,
+        plan: Plan | None = None,
     ) -> None:
         """Publish the delta of `text` (what the stages before publishing released: it ends
         where the text ends, less what is held back) through the request's stages, which fill
         in their fields; a delta that carries nothing is not published, unless `final`."""
-        if stages is None:
-            stages = self.stages.of(request_id, state)
-        if not stages and not (text or final):
+        if plan is None:
+            plan = self.stages.of(request_id, state)
+        if not (plan.stages or text or final):
             return
         offset = state.text_chars - len(state.stop_held) - len(text)
         delta = Delta(request_id, state.model, state.delta_start, seq, offset, text, final)
-        if stages:
-            for stage in stages:
-                stage.publish(state, delta)
+        if plan.publishes:
+            for publish in plan.publishes:
+                publish(state, delta)
             if not (final or delta.text or delta.logprobs or delta.reasoning or delta.tool_calls):
                 return
         result.deltas.append(delta)
@@ -146,10 +146,10 @@ class Outcomes:
         finish_reason: str | None,
         error: str | None = None,
         stop_reason: str | None = None,
-        stages: tuple[TextStage, ...] | None = None,
+        plan: Plan | None = None,
     ) -> Completion:
-        """The request's completion, its stages' fields filled in (`stages`: those its last
-        chunk went through, when the caller has them)."""
+        """The request's completion, its stages' fields filled in (`plan`: the stages its
+        last chunk went through, when the caller has them)."""
         fields: dict[str, Any] = {
             "request_id": request_id,
             "model": state.model,
@@ -162,10 +162,10 @@ class Outcomes:
             "error": error,
             "stop_reason": stop_reason,
         }
-        if stages is None:
-            stages = self.stages.of(request_id, state)
-        for stage in stages:
-            stage.complete(state, fields)
+        if plan is None:
+            plan = self.stages.of(request_id, state)
+        for complete in plan.completes:
+            complete(state, fields)
         return Completion(**fields)
 
     def end_failed(
@@ -179,8 +179,8 @@ class Outcomes:
     ) -> None:
         """Fail a live request: its final delta (seq, the text the failing chunk added) when
         it has one, a failed completion with the text so far, and the failed marker."""
-        stages = self.stages.of(request_id, state)
-        if last_delta is None and any(stage.holds(state) for stage in stages):
+        plan = self.stages.of(request_id, state)
+        if last_delta is None and any(holds(state) for holds in plan.holders):
             # Text a stage holds back (for a possible stop string) is the request's: it goes
             # out too.
             seq = state.next_seq - 1
@@ -190,8 +190,8 @@ class Outcomes:
             seq, text = last_delta
             text = state.stop_held + text
             state.stop_held = ""
-            self.publish(request_id, state, seq, text, True, result, stages)
-        completion = self.completion(request_id, state, "failed", None, message, stages=stages)
+            self.publish(request_id, state, seq, text, True, result, plan)
+        completion = self.completion(request_id, state, "failed", None, message, plan=plan)
         result.completions.append(completion)
         marker = FailedRequest(model=state.model, reason=reason, last_event_at=state.last_event_at)
         self.close(request_id, state, marker, result)

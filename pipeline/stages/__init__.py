@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.request_state import ActiveRequest
 from pipeline.requests.work import Work
-from pipeline.stages.base import StageConfig, StageKind, TextStage
+from pipeline.stages.base import NO_PLAN, Plan, StageConfig, StageKind, TextStage
 from pipeline.stages.chat import Chat
 from pipeline.stages.logprobs import Logprobs
 from pipeline.stages.stop_strings import StopStrings
@@ -23,39 +23,43 @@ from schemas.fast_events import ParsedPrompt
 
 KINDS: tuple[type[StageKind], ...] = (StopStrings, Chat, Logprobs)
 
-NO_STAGES: tuple[TextStage, ...] = ()
-
 
 class Stages:
     """The stage kinds of one processor, and each request's stages chosen by them."""
 
     def __init__(self, config: StageConfig) -> None:
         self.kinds = tuple(kind(config) for kind in KINDS)  # type: ignore[call-arg]
+        # The kinds that take fields from a prompt (a request's open calls only these).
+        self.openers = tuple(
+            kind.opened for kind in self.kinds if type(kind).opened is not StageKind.opened
+        )
+        # Plans of stages that are their kinds (no state of their own): shared by requests.
+        self.plans: dict[tuple[TextStage, ...], Plan] = {(): NO_PLAN}
 
     def opened(self, event: ParsedPrompt, model: ModelTokenizer) -> dict[str, Any]:
         """The state fields a request's stages take from its prompt event."""
         fields: dict[str, Any] = {}
-        for kind in self.kinds:
-            fields.update(kind.opened(event, model))
+        for opened in self.openers:
+            fields.update(opened(event, model))
         return fields
 
-    def of(
-        self, request_id: str, state: ActiveRequest, entry: Work | None = None
-    ) -> tuple[TextStage, ...]:
-        """The request's stages, in order; kept on the state once no kind can change its
-        answer (a request's first ids decide its logprobs), so a request without options
-        pays one attribute test per chunk."""
-        stages = state.stages
-        if stages is not None:
-            return stages
-        chosen = tuple(
-            stage
-            for kind in self.kinds
-            if (stage := kind.choose(request_id, state, entry)) is not None
-        )
+    def of(self, request_id: str, state: ActiveRequest, entry: Work | None = None) -> Plan:
+        """The request's stages, in order, as a plan; kept on the state once no kind can
+        change its answer (a request's first ids decide its logprobs), so a request without
+        options pays one attribute test per chunk."""
+        plan = state.stages
+        if plan is not None:
+            return plan
+        made = [(kind, kind.choose(request_id, state, entry)) for kind in self.kinds]
+        chosen = tuple(stage for _, stage in made if stage is not None)
+        plan = self.plans.get(chosen)
+        if plan is None:
+            plan = Plan(chosen)
+            if all(stage is kind for kind, stage in made if stage is not None):
+                self.plans[chosen] = plan
         if all(kind.settled(state, entry) for kind in self.kinds):
-            state.stages = chosen or NO_STAGES
-        return chosen or NO_STAGES
+            state.stages = plan
+        return plan
 
 
-__all__ = ["KINDS", "NO_STAGES", "StageConfig", "Stages", "TextStage"]
+__all__ = ["KINDS", "NO_PLAN", "Plan", "StageConfig", "Stages", "TextStage"]

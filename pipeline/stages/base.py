@@ -10,8 +10,8 @@ or rewrites the stage's fields of a delta, `complete` those of the completion. A
 lives on the request's state (`pipeline.request_state`), in its own snapshot field.
 
 A request's stages are chosen in one place (`pipeline.stages.Stages`), from its prompt event
-and the processor's configuration, by a `StageKind` per stage module: a request without
-options gets the empty tuple and pays for no hook.
+and the processor's configuration, by a `StageKind` per stage module, into a `Plan` (the hooks
+its stages have): a request without options gets the empty plan and pays for no hook.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Chunk:
     texts: list[str] | None  # each pushed id's text, when a stage asked (`per_token`)
     before: DecodeStream | None  # the stream before the chunk, when a stage asked
     finished: bool
-    stages: tuple[TextStage, ...]
+    plan: Plan
 
 
 class TextStage:
@@ -100,6 +100,43 @@ class StageKind:
     def settled(self, state: ActiveRequest, entry: Work | None) -> bool:
         """Whether `choose` can no longer change its answer for this request."""
         return True
+
+
+# A plan's attribute for each hook: the bound hooks of the stages that have it.
+_HOOKS = {
+    "check": "checks",
+    "ended": "ends",
+    "decoded": "decodes",
+    "release": "releases",
+    "publish": "publishes",
+    "complete": "completes",
+    "holds": "holders",
+}
+
+
+class Plan:
+    """A request's stages, and for each hook the bound hooks of the stages that have one: the
+    decode calls no hook a stage leaves to `TextStage` (its per-chunk cost is only the work
+    its stages do). Falsy for a request without stages."""
+
+    __slots__ = ("stages", "per_token", "stream_before", *_HOOKS.values())
+
+    def __init__(self, stages: tuple[TextStage, ...]) -> None:
+        self.stages = stages
+        self.per_token = any(stage.per_token for stage in stages)
+        self.stream_before = any(stage.stream_before for stage in stages)
+        for hook, name in _HOOKS.items():
+            base = getattr(TextStage, hook)
+            bound = tuple(
+                getattr(stage, hook) for stage in stages if getattr(type(stage), hook) is not base
+            )
+            setattr(self, name, bound)
+
+    def __bool__(self) -> bool:
+        return bool(self.stages)
+
+
+NO_PLAN = Plan(())
 
 
 @dataclass(frozen=True)

@@ -96,12 +96,12 @@ def stop(out: Outcomes, chunk: Chunk, match: StopMatch, result: BatchResult) -> 
     whole = (state.text() + chunk.text)[:cut]
     limit = out.max_text_bytes
     if limit is not None and json_size(whole) > limit:
-        for stage in chunk.stages:
-            stage.decoded(state, chunk, pushed)
+        for decoded in chunk.plan.decodes:
+            decoded(state, chunk, pushed)
         fail_too_large(out, entry, chunk.text, result)
         return
-    for stage in chunk.stages:
-        stage.decoded(state, chunk, completing)
+    for decoded in chunk.plan.decodes:
+        decoded(state, chunk, completing)
     state.generated_tokens += completing
     result.decoded_tokens += completing
     state.text_parts = [whole] if whole else ()
@@ -112,9 +112,9 @@ def stop(out: Outcomes, chunk: Chunk, match: StopMatch, result: BatchResult) -> 
     events = entry.events
     stopping = len(events) - 1 if in_flush else _event_of_token(events, completing)
     seq = events[stopping].event.seq
-    out.publish(entry.request_id, state, seq, whole[base:], True, result, chunk.stages)
+    out.publish(entry.request_id, state, seq, whole[base:], True, result, chunk.plan)
     completion = out.completion(
-        entry.request_id, state, "ok", "stop", stop_reason=match.stop, stages=chunk.stages
+        entry.request_id, state, "ok", "stop", stop_reason=match.stop, plan=chunk.plan
     )
     result.completions.append(completion)
     result.events_after_stop += len(events) - 1 - stopping
