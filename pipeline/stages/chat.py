@@ -102,9 +102,9 @@ class Chat(StageKind):
         fields = state.chat
         if fields is None:
             return None
-        return ChatStage(
-            self.formats_of(state.model, fields.reasoning, fields.tools), request_id, state
-        )
+        formats = self.formats_of(state.model, fields.reasoning, fields.tools)
+        stage = CountingChatStage if fields.counting else ChatStage
+        return stage(formats, request_id, state)
 
     def formats_of(self, model: str, reasoning: str | None, tools: str | None) -> Formats:
         key = (model, reasoning, tools)
@@ -146,31 +146,6 @@ class ChatStage(TextStage):
         published = state.text_chars - len(state.stop_held)
         if published:  # a restored request: its deltas so far, fed once
             self._placed(self.parser.feed(state.text()[:published]))
-
-    def decoded(self, state: ActiveRequest, chunk: Chunk, count: int) -> None:
-        """Count the ids inside reasoning: those before the first end marker's id, the first
-        start marker's id excepted (the text's split: docs/chat-outputs.md)."""
-        fields = self.fields
-        if not fields.counting:
-            return
-        ids = chunk.ids if count == len(chunk.ids) else chunk.ids[:count]
-        start, end, implicit = self.formats.marker_ids  # type: ignore[misc]  # counting: set
-        counted = fields.reasoning_tokens or 0
-        watch_implicit = implicit is not None and fields.at_implicit is None
-        if end in ids or start in ids or (watch_implicit and implicit in ids):
-            for token in ids:
-                if token == end:
-                    fields.counting = False
-                    break
-                if token == start and not fields.started:
-                    fields.started = True
-                    continue
-                if token == implicit and fields.at_implicit is None:
-                    fields.at_implicit = counted
-                counted += 1
-        else:
-            counted += len(ids)
-        fields.reasoning_tokens = counted
 
     def publish(self, state: ActiveRequest, delta: Delta) -> None:
         parser = self.parser
@@ -215,6 +190,38 @@ class ChatStage(TextStage):
         if reasoning is not None and reasoning.implicit == "ended":
             return fields.at_implicit  # None when the implicit end's marker is not an id
         return fields.reasoning_tokens
+
+
+class CountingChatStage(ChatStage):
+    """A chat stage that also counts reasoning tokens (its markers are ids of the tokenizer):
+    its own class, so the decode calls `decoded` only for requests that count."""
+
+    __slots__ = ()
+
+    def decoded(self, state: ActiveRequest, chunk: Chunk, count: int) -> None:
+        """Count the ids inside reasoning: those before the first end marker's id, the first
+        start marker's id excepted (the text's split: docs/chat-outputs.md)."""
+        fields = self.fields
+        if not fields.counting:
+            return
+        ids = chunk.ids if count == len(chunk.ids) else chunk.ids[:count]
+        start, end, implicit = self.formats.marker_ids  # type: ignore[misc]  # counting: set
+        counted = fields.reasoning_tokens or 0
+        watch_implicit = implicit is not None and fields.at_implicit is None
+        if end in ids or start in ids or (watch_implicit and implicit in ids):
+            for token in ids:
+                if token == end:
+                    fields.counting = False
+                    break
+                if token == start and not fields.started:
+                    fields.started = True
+                    continue
+                if token == implicit and fields.at_implicit is None:
+                    fields.at_implicit = counted
+                counted += 1
+        else:
+            counted += len(ids)
+        fields.reasoning_tokens = counted
 
 
 _NOTHING = ChatDelta("", "", [])
