@@ -5,7 +5,7 @@ stages (`pipeline.stages`: chosen once per request by `Stages.of`) say what they
 decode: a request whose stages need no per-token text goes whole into the batched round (with a
 copy of its stream from before the chunk if a stage asked for one); one whose stages need each
 id's text (`per_token`) is pushed id by id. Then `_advance` takes the chunk's text through the
-stages in order (`pipeline.stages.base.TextStage`): whether one ended the request (a stop), the
+stages in order (`pipeline.stages.base.TextStage`): whether one ends the request (a stop), the
 ids that count, what each releases, then the delta and at the finish the completion, whose
 fields the stages fill in (`Outcomes.publish`, `Outcomes.completion`). A request without
 options has no stages: it pays for the choice (one attribute test) and for no hook.
@@ -159,13 +159,17 @@ class Decoder:
         if chunk and state.logprobs is None:
             state.logprobs = False  # its first ids came without logprobs: see `Logprobs.choose`
         staged = plan.stages  # falsy for a request without options: no stage work below
-        if staged and (plan.ends or plan.decodes):
-            step = Chunk(entry, chunk, pushed, text, texts, before, finished, plan)
-            for ended in plan.ends:
-                if ended(out, step, result):
+        if staged:
+            for stops, end in plan.stoppers:
+                found = stops(state, text)
+                if found is not None:
+                    step = Chunk(entry, chunk, pushed, text, texts, before, finished, plan)
+                    end(out, step, found, result)
                     return
-            for decoded in plan.decodes:
-                decoded(state, step, pushed)
+            if plan.decodes:
+                step = Chunk(entry, chunk, pushed, text, texts, before, finished, plan)
+                for decoded in plan.decodes:
+                    decoded(state, step, pushed)
         if error is not None:
             failures.fail_decode(out, entry, chunk, text, error, result)  # type: ignore[arg-type]
             return

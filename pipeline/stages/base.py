@@ -3,11 +3,12 @@
 A text stage sits between the decode and the outcomes of one request. The decoder asks each of
 a request's stages, in order, what it needs of the decode (`per_token`: each id's text, so the
 chunk is pushed id by id; `stream_before`: a copy of the stream from before the chunk), whether
-a chunk can be used (`check`), whether the chunk ended the request (`ended`), and hands each
-the chunk's ids that count (`decoded`). The text then flows through the stages: `release` says
-what of the text reaching a stage may go on now (the rest it holds back), `publish` fills in
-or rewrites the stage's fields of a delta, `complete` those of the completion. A stage's state
-lives on the request's state (`pipeline.request_state`), in its own snapshot field.
+a chunk can be used (`check`), whether the chunk's text ends the request (`stops`, then
+`end`), and hands each the chunk's ids that count (`decoded`). The text then flows through
+the stages: `release` says what of the text reaching a stage may go on now (the rest it holds
+back), `publish` fills in or rewrites the stage's fields of a delta, `complete` those of the
+completion. A stage's state lives on the request's state (`pipeline.request_state`), in its own
+snapshot field.
 
 A request's stages are chosen in one place (`pipeline.stages.Stages`), from its prompt event
 and the processor's configuration, by a `StageKind` per stage module, into a `Plan` (the hooks
@@ -60,9 +61,14 @@ class TextStage:
         """Before the chunk is decoded: None, or the event that fails its request."""
         return None
 
-    def ended(self, out: Outcomes, chunk: Chunk, result: BatchResult) -> bool:
-        """Whether this stage ended the request at this chunk (having published its end)."""
-        return False
+    def stops(self, state: ActiveRequest, text: str) -> Any:
+        """Where the chunk's `text` ends the request (a stop string), or None: a cheap test
+        run on every chunk, before its ids are handed to the stages."""
+        return None
+
+    def end(self, out: Outcomes, chunk: Chunk, found: Any, result: BatchResult) -> None:
+        """End the request where `stops` found its end: publish its last delta and its
+        completion (through the other stages) and close it."""
 
     def decoded(self, state: ActiveRequest, chunk: Chunk, count: int) -> None:
         """The chunk's first `count` ids are the request's (all pushed, or up to a stop)."""
@@ -105,7 +111,7 @@ class StageKind:
 # A plan's attribute for each hook: the bound hooks of the stages that have it.
 _HOOKS = {
     "check": "checks",
-    "ended": "ends",
+    "stops": "stoppers",
     "decoded": "decodes",
     "release": "releases",
     "publish": "publishes",
@@ -131,6 +137,10 @@ class Plan:
                 getattr(stage, hook) for stage in stages if getattr(type(stage), hook) is not base
             )
             setattr(self, name, bound)
+        # With each `stops`, the same stage's `end`.
+        self.stoppers = tuple(  # type: ignore[assignment]
+            (stage.stops, stage.end) for stage in stages if type(stage).stops is not TextStage.stops
+        )
 
     def __bool__(self) -> bool:
         return bool(self.stages)

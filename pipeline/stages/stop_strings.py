@@ -42,13 +42,12 @@ class StopStrings(TextStage, StageKind):
     def choose(self, request_id: str, state: ActiveRequest, entry: Work | None) -> TextStage | None:
         return self if state.stop is not None else None
 
-    def ended(self, out: Outcomes, chunk: Chunk, result: BatchResult) -> bool:
-        state = chunk.entry.state
-        match = scanner(state).scan(state.stop_held, chunk.text)  # type: ignore[union-attr]
-        if match is None:
-            return False
-        stop(out, chunk, match, result)
-        return True
+    def stops(self, state: ActiveRequest, text: str) -> StopMatch | None:
+        found = state.stop_matcher or scanner(state)
+        return found.scan(state.stop_held, text)  # type: ignore[union-attr]
+
+    def end(self, out: Outcomes, chunk: Chunk, found: StopMatch, result: BatchResult) -> None:
+        stop(out, chunk, found, result)
 
     def release(self, state: ActiveRequest, text: str, finished: bool) -> str:
         """What of the held tail plus `text` (just scanned without a stop) deltas may carry

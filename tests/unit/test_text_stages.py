@@ -33,7 +33,7 @@ def test_a_plan_calls_only_the_hooks_a_stage_has(registry):
     processor = RequestProcessor(registry)
     stop = processor.outcomes.stages.kinds[0]
     plan = Plan((stop,))
-    assert plan.ends == (stop.ended,) and plan.releases == (stop.release,)
+    assert plan.stoppers == ((stop.stops, stop.end),) and plan.releases == (stop.release,)
     assert plan.decodes == plan.publishes == plan.completes == plan.checks == ()
     assert plan.stream_before and not plan.per_token
 
