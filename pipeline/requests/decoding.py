@@ -67,6 +67,9 @@ class Decoder:
             if not plan.stages:
                 plain.append((entry, _joined_ids(entry.events)))  # no stage: the fast path
                 continue
+            if plan.whole:  # stages that need nothing of the decode: the batched round as is
+                staged.append((entry, _joined_ids(entry.events), None, plan))
+                continue
             try:
                 self._stages_asked(entry, plan, staged, singles, result)
             except BaseException as error:  # as in `process`: this request only

@@ -125,7 +125,7 @@ class Plan:
     decode calls no hook a stage leaves to `TextStage` (its per-chunk cost is only the work
     its stages do). Falsy for a request without stages."""
 
-    __slots__ = ("stages", "per_token", "stream_before", *_HOOKS.values())
+    __slots__ = ("stages", "per_token", "stream_before", "whole", *_HOOKS.values())
 
     def __init__(self, stages: tuple[TextStage, ...]) -> None:
         self.stages = stages
@@ -137,6 +137,8 @@ class Plan:
                 getattr(stage, hook) for stage in stages if getattr(type(stage), hook) is not base
             )
             setattr(self, name, bound)
+        # Stages that check no chunk and need nothing of the decode but its text.
+        self.whole = not (self.checks or self.per_token or self.stream_before)  # type: ignore[attr-defined]
         # With each `stops`, the same stage's `end`.
         self.stoppers = tuple(  # type: ignore[assignment]
             (stage.stops, stage.end) for stage in stages if type(stage).stops is not TextStage.stops

@@ -145,18 +145,26 @@ class ChatStage(TextStage):
         self.arguments_at: list[int] = []
         published = state.text_chars - len(state.stop_held)
         if published:  # a restored request: its deltas so far, fed once
-            self._placed(self.parser.feed(state.text()[:published]))
+            content, reasoning, calls = self.parser.feed(state.text()[:published])
+            self.content_at, self.reasoning_at = len(content), len(reasoning)
+            self._placed(calls)
 
     def publish(self, state: ActiveRequest, delta: Delta) -> None:
         parser = self.parser
+        text = delta.text
         if parser.done:
             split = _NOTHING
         else:
-            split = parser.feed(delta.text) if delta.text else _NOTHING
+            split = parser.feed(text) if text else _NOTHING
             if delta.final:
                 split = _joined(split, parser.finish()[0])
-        delta.text_offset, delta.reasoning_offset = self.content_at, self.reasoning_at
-        delta.text, delta.reasoning, delta.tool_calls = self._placed(split)
+        content, reasoning, calls = split
+        delta.text_offset = self.content_at
+        delta.reasoning_offset = self.reasoning_at
+        self.content_at += len(content)
+        self.reasoning_at += len(reasoning)
+        delta.text, delta.reasoning = content, reasoning
+        delta.tool_calls = self._placed(calls) if calls else []
 
     def complete(self, state: ActiveRequest, fields: dict[str, Any]) -> None:
         result = self.parser.result()
@@ -167,14 +175,8 @@ class ChatStage(TextStage):
         if fields["status"] == "ok" and result.tool_calls:
             fields["finish_reason"] = "tool_calls"
 
-    def _placed(self, split: ChatDelta) -> tuple[str, str, list[dict[str, Any]]]:
-        """The delta's fields, each call piece given its `arguments_offset`; the positions
-        move past them."""
-        content, reasoning, calls = split
-        self.content_at += len(content)
-        self.reasoning_at += len(reasoning)
-        if not calls:
-            return content, reasoning, []
+    def _placed(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The call pieces, each given its `arguments_offset`; the positions move past them."""
         at = self.arguments_at
         for piece in calls:
             index = piece["index"]
@@ -182,7 +184,7 @@ class ChatStage(TextStage):
                 at.append(0)
             piece["arguments_offset"] = at[index]
             at[index] += len(piece["function"].get("arguments") or "")
-        return content, reasoning, calls
+        return calls
 
     def _reasoning_tokens(self) -> int | None:
         fields = self.fields
