@@ -25,8 +25,16 @@ and (pl) on the other tree. Every processor row encodes its deltas and completio
 writes them (an option's cost includes its output records). Ratios to (p) are paired per
 repeat; (ps) must give (p)'s completions exactly.
 
+`--chat` adds the chat-output stage (docs/chat-outputs.md): generations of about 1k, 8k and
+32k tokens (bench/bench_chat.py's: reasoning, a short answer, three hermes tool calls with long
+arguments; qwen2, markers spelled as text), `--chat-copies` requests of each at once, through
+the whole `RequestProcessor` in 16-id events: (pp) no parsers, (pc) `qwen3` + `hermes` with
+tools offered, paired per repeat. It prints both rates, (pc)/(pp) (the issue's aim: at least
+0.8 at 32k) and the parse cost per token, (t(pc) - t(pp)) / tokens, which stays flat when the
+cost is linear in the text. Process CPU time, medians.
+
     python -m bench.bench_core [--shared-dir ../shared] [--tokenizers gpt2,llama-spm] [--json]
-                               [--compare-with /tmp/base] [--decode-options]
+                               [--compare-with /tmp/base] [--decode-options] [--chat]
 """
 
 from __future__ import annotations
@@ -48,14 +56,23 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream as HFDecodeStream
 
+from bench.bench_chat import generation
 from bench.workload import generations
 from pipeline.batch import decode_round
+from pipeline.chat import ChatParsers
 from pipeline.decode_stream import DecodeStream
 from pipeline.processor import RequestProcessor
 from pipeline.results import EventOrigin
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import dump_json
-from schemas.fast_events import ParsedEvent, ParsedFinish, ParsedPrompt, ParsedTokens
+from schemas.fast_events import (
+    ParsedEvent,
+    ParsedFinish,
+    ParsedFunction,
+    ParsedPrompt,
+    ParsedTokens,
+    ParsedTool,
+)
 
 CHUNK = 16
 # Issue 2's targets for (c), the batched path: at least half of (d) and 4x (a).
@@ -395,6 +412,99 @@ def bench_tokenizer(
     }
 
 
+CHAT_SIZES = (1000, 8000, 32000)
+TARGET_CHAT_TO_PLAIN = 0.8
+CHAT_TOOLS = [ParsedTool(function=ParsedFunction(name=f"run_{i}")) for i in range(3)]
+
+
+def chat_rounds(ids: list[int], copies: int) -> list[list[tuple[ParsedEvent, EventOrigin]]]:
+    """`copies` requests of the same generation, offering tools, one 16-id event of each per
+    round (the batches a worker hands its processor)."""
+    origin = EventOrigin("bench", 0, 0, b"")
+    streams = []
+    for copy in range(copies):
+        request_id = f"c{copy}"
+        events: list[ParsedEvent] = [
+            ParsedPrompt(request_id=request_id, model="m", prompt_token_ids=[], tools=CHAT_TOOLS)
+        ]
+        for chunk in chunks_of(ids):
+            events.append(ParsedTokens(request_id=request_id, seq=len(events), token_ids=chunk))
+        events.append(ParsedFinish(request_id=request_id, seq=len(events)))
+        streams.append(events)
+    return [
+        [(e, origin) for e in round_events if e is not None]
+        for round_events in zip_longest(*streams)
+    ]
+
+
+def method_chat(registry: TokenizerRegistry, rounds: list, parsers: ChatParsers) -> list[Any]:
+    """The processor over `rounds`, deltas and completions encoded as the worker writes them."""
+    processor = RequestProcessor(registry, chat_parsers=parsers)
+    completions = []
+    for batch in rounds:
+        result = processor.process(batch)
+        for delta in result.deltas:
+            delta.to_wire_json()
+        for completion in result.completions:
+            dump_json(completion)
+        completions += result.completions
+    return completions
+
+
+def bench_chat_stage(shared: Path, repeats: int, copies: int) -> list[dict[str, Any]]:
+    """(pp) and (pc) per size, paired per repeat in rotating order (see the module doc)."""
+    path = shared / "tokenizers" / "qwen2-from-tiktoken" / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    registry = TokenizerRegistry()
+    registry.register("m", path)
+    parsers = ChatParsers({"m": "qwen3"}, {"m": "hermes"})
+    rows = []
+    for size in CHAT_SIZES:
+        _, ids = generation(tok, size)
+        rounds = chat_rounds(ids, copies)
+        done = method_chat(registry, rounds, parsers)
+        if any(len(c.tool_calls or []) != 3 or not c.reasoning for c in done):
+            raise SystemExit("bench chat generation did not parse into reasoning + 3 calls")
+        methods = {
+            "pp": lambda r=rounds: method_chat(registry, r, ChatParsers()),
+            "pc": lambda r=rounds: method_chat(registry, r, parsers),
+        }
+        times: dict[str, list[float]] = {k: [] for k in methods}
+        for rep in range(repeats):
+            for key in list(methods)[rep % 2 :] + list(methods)[: rep % 2]:
+                times[key].append(timed(methods[key], time.process_time)[0])
+        tokens = len(ids) * copies
+        extra = [(c - p) / tokens * 1e6 for p, c in zip(times["pp"], times["pc"], strict=True)]
+        rows.append(
+            {
+                "tokens": len(ids),
+                "copies": copies,
+                "pp_tok_s": tokens / statistics.median(times["pp"]),
+                "pc_tok_s": tokens / statistics.median(times["pc"]),
+                "pc_over_pp": paired_ratio(times["pp"], times["pc"]),
+                "parse_us_per_token": statistics.median(extra),
+            }
+        )
+    return rows
+
+
+def print_chat(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\nchat outputs (qwen2, markers as text, qwen3 + hermes, reasoning + 3 calls; "
+        f"{rows[0]['copies']} requests at once, CPU time, medians):"
+    )
+    print("| tokens | (pp) no parsers tok/s | (pc) parsed tok/s | (pc)/(pp) | parse us/token |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['tokens']:,} | {r['pp_tok_s'] / 1e3:,.0f} k | {r['pc_tok_s'] / 1e3:,.0f} k | "
+            f"{r['pc_over_pp']:.3f} | {r['parse_us_per_token']:.3f} |"
+        )
+    last = rows[-1]["pc_over_pp"]
+    met = "met" if last >= TARGET_CHAT_TO_PLAIN else "NOT met"
+    print(f"aim (pc)/(pp) >= {TARGET_CHAT_TO_PLAIN} at 32k: {met}")
+
+
 LABELS = {
     "a": "(a) HF DecodeStream, safe-suffix primed, per token",
     "b": "(b) DecodeStream.push per request, chunk 16",
@@ -432,7 +542,21 @@ def main() -> None:
         action="store_true",
         help="add the processor rows: no options, stop strings, logprobs",
     )
+    parser.add_argument(
+        "--chat", action="store_true", help="add the chat-output rows (pp) and (pc)"
+    )
+    parser.add_argument("--chat-copies", type=int, default=8)
+    parser.add_argument(
+        "--chat-only", action="store_true", help="only the chat-output rows (implies --chat)"
+    )
     args = parser.parse_args()
+    if args.chat_only:
+        rows = bench_chat_stage(args.shared_dir, args.repeats, args.chat_copies)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            print_chat(rows)
+        return
     base = None if args.compare_with is None else load_pipeline(args.compare_with)
     results = [
         bench_tokenizer(
@@ -446,8 +570,9 @@ def main() -> None:
         )
         for n in args.tokenizers.split(",")
     ]
+    chat = bench_chat_stage(args.shared_dir, args.repeats, args.chat_copies) if args.chat else []
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps({"tokenizers": results, "chat": chat} if chat else results, indent=2))
         return
     for res in results:
         print(
@@ -484,6 +609,9 @@ def main() -> None:
                 f"{other}; completions (ps) vs (p): {opts['mismatches_ps_vs_p']} mismatches, "
                 f"(p) vs (b): {opts['mismatches_p_vs_b']}"
             )
+
+    if chat:
+        print_chat(chat)
 
 
 if __name__ == "__main__":

@@ -43,11 +43,15 @@ from pipeline.requests.outcomes import Outcomes
 from pipeline.requests.sequencing import MAX_HELD_EVENTS, Sequencer
 from pipeline.requests.work import Work
 from pipeline.results import BatchResult, DeadLetter, Delta, EventOrigin, Origin
+from pipeline.stages import StageConfig, Stages
 from pipeline.tokenizer_registry import TokenizerRegistry
 from pipeline.vocab_tables import profile_for
 from schemas.events import DeadLetterReason
 from schemas.fast_events import ParsedEvent
 from schemas.validation import is_record_fault
+
+# The default: no model has a chat-output parser (frozen, so one instance serves every processor).
+NO_CHAT_PARSERS = ChatParsers()
 
 
 class RequestProcessor:
@@ -62,9 +66,8 @@ class RequestProcessor:
         finished_retention_s: float = 600.0,
         max_text_bytes: int | None = None,
         max_held_bytes: int | None = None,
-        chat_parsers: ChatParsers = ChatParsers(),  # noqa: B008 (TEMP stub: the stages branch's)
+        chat_parsers: ChatParsers = NO_CHAT_PARSERS,
     ) -> None:
-        self.chat_parsers = chat_parsers
         self.registry = registry
         # An idle request is one whose producer died mid-generation; after this long nothing
         # will complete it, and holding its state forever would leak memory and changelog.
@@ -82,7 +85,13 @@ class RequestProcessor:
         # Requests that ended since their last changelog records, with how many text segments
         # they had there: each segment key gets a tombstone (`changelog_records`).
         self.retired_segments: dict[str, int] = {}
-        self.outcomes = Outcomes(self.requests, self.retired_segments, registry, max_text_bytes)
+        # Each request's text stages (stop strings, logprobs, chat outputs) are chosen by
+        # these, from its prompt and this configuration (`chat_parsers`: the reasoning and
+        # tool-call parsers of each model, docs/chat-outputs.md).
+        stages = Stages(StageConfig(registry, chat_parsers))
+        self.outcomes = Outcomes(
+            self.requests, self.retired_segments, registry, max_text_bytes, stages
+        )
         self.decoder = Decoder(self.outcomes, max_text_bytes)
         self.sequencer = Sequencer(
             self.outcomes,

@@ -22,7 +22,7 @@ import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Literal, cast
 
 import msgspec
 from tokenizers import Tokenizer
@@ -147,6 +147,21 @@ def json_prefix(text: str, size: int) -> str:
     return text
 
 
+class ChatFields(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A request's chat-output stage (`pipeline.stages.chat`) in its snapshot: the parsers it
+    was opened with, its prompt's reasoning state, and what its ids told of reasoning tokens.
+    The parser's own state is not here: it is rebuilt from the text deltas carried, fed to it
+    once on restore (so the snapshot stays this small, whatever the text's length)."""
+
+    reasoning: str | None = None  # reasoning parser name
+    tools: str | None = None  # tool parser name: set only when the request offers tools
+    prompt: Literal["open", "closed"] | None = None  # `pipeline.chat.prompt_reasoning_state`
+    reasoning_tokens: Count | None = None  # None: not counted (markers that are not ids)
+    counting: bool = False  # the ids are still inside reasoning
+    started: bool = False  # the start marker's id was seen
+    at_implicit: Count | None = None  # the count at the first implicit-end id
+
+
 class _ActiveFields(msgspec.Struct, kw_only=True):
     """The plain fields of an active request, shared by the live state and its record."""
 
@@ -172,6 +187,7 @@ class _ActiveFields(msgspec.Struct, kw_only=True):
     lp_tops: list[list[tuple[int, float]]] = ()  # type: ignore[assignment]
     lp_offsets: list[Count] = ()  # type: ignore[assignment]  # text characters before each token
     lp_sent: Count = 0  # entries already carried by deltas
+    chat: ChatFields | None = None  # a request with chat-output parsing (docs/chat-outputs.md)
     text_segments: Count = 0  # text segment records in the changelog (incremental changelog)
 
 
@@ -204,6 +220,9 @@ class ActiveRequest(_ActiveFields, kw_only=True):
     # request rebuilds them from its columns).
     lp_built: list[Any] | tuple[()] = ()  # `TokenLogprob`s
     stop_matcher: Any = None  # its `stop_strings.StopScanner`, made on first use
+    # Its text stages (`pipeline.stages.Stages.of`), kept once chosen; None: not chosen yet
+    # (a new or restored request), chosen again from the fields above. Not snapshotted.
+    stages: Any = None
     logged_parts: int = 0  # leading `text_parts` already written as changelog segments
     lp_logged: int = 0  # leading logprob column entries already written as changelog segments
 
@@ -312,7 +331,7 @@ def _active_fields(state: _ActiveFields) -> dict[str, Any]:
 
 def _snapshot_fields(state: _ActiveFields) -> dict[str, Any]:
     """`_active_fields`, without the decode-option fields of a request that has no options."""
-    if state.stop is None and not state.logprobs:
+    if state.stop is None and not state.logprobs and state.chat is None:
         return dict(zip(_PLAIN_FIELDS, _plain_values(state), strict=True))
     return _active_fields(state)
 

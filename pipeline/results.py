@@ -117,6 +117,8 @@ class Delta:
     tool_calls: list[dict] | None = None
 
     def absorb(self, later: Delta) -> None:
+        """Extend this delta by the next one of its request (each field by the text it adds,
+        placed by this delta's offsets)."""
         self.seq_end = later.seq_end
         self.text += later.text
         self.final = later.final
@@ -125,6 +127,13 @@ class Delta:
                 self.logprobs = list(later.logprobs)
             else:
                 self.logprobs += later.logprobs
+        if later.reasoning is not None:
+            if self.reasoning is None:
+                self.reasoning, self.reasoning_offset = later.reasoning, later.reasoning_offset
+            else:
+                self.reasoning += later.reasoning
+        if later.tool_calls is not None:
+            self.tool_calls = merge_tool_calls(self.tool_calls or [], later.tool_calls)
 
     def to_wire_json(self) -> bytes:
         """The `TextDelta` record, encoded directly: building and dumping the pydantic model
@@ -145,6 +154,24 @@ class Delta:
                 "tool_calls": self.tool_calls,
             }
         )
+
+
+def merge_tool_calls(calls: list[dict], later: list[dict]) -> list[dict]:
+    """Tool-call pieces (`DeltaToolCall` dicts) followed by later ones of the same request:
+    a later piece of the call the first list ends with extends that piece's arguments (its
+    `arguments_offset` stays the first piece's); the others follow. New dicts where merged."""
+    merged = list(calls)
+    for piece in later:
+        last = merged[-1] if merged else None
+        if last is not None and last["index"] == piece["index"]:
+            function = dict(last.get("function") or {})
+            function["arguments"] = (function.get("arguments") or "") + (
+                (piece.get("function") or {}).get("arguments") or ""
+            )
+            merged[-1] = {**last, "function": function}
+        else:
+            merged.append(piece)
+    return merged
 
 
 @dataclass

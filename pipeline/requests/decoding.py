@@ -1,15 +1,17 @@
 """Decoding: one batched round per input batch, and one way from a chunk's text to outcomes.
 
-Every request with in-order events this batch is decoded here, on one path. A request's decode
-options choose its text stages (`pipeline.stages`), and a request pays only for the stages it
-has: a request without options goes whole into the batched round and through `_advance` with
-one test per stage. Logprobs push a chunk id by id (each token's text is part of its entry);
-stop strings keep a copy of the stream from before the chunk, replayed id by id only for the
-chunk in which a stop completes, to find the token that completed it.
+Every request with in-order events this batch is decoded here, on one path. A request's text
+stages (`pipeline.stages`: chosen once per request by `Stages.of`) say what they need of the
+decode: a request whose stages need no per-token text goes whole into the batched round (with a
+copy of its stream from before the chunk if a stage asked for one); one whose stages need each
+id's text (`per_token`) is pushed id by id. Then `_advance` takes the chunk's text through the
+stages in order (`pipeline.stages.base.TextStage`): whether one ends the request (a stop), the
+ids that count, what each releases, then the delta and at the finish the completion, whose
+fields the stages fill in (`Outcomes.publish`, `Outcomes.completion`). A request without
+options has no stages: it pays for the choice (one attribute test) and for no hook.
 
 Adding a text stage: its module in `pipeline/stages/`, its snapshot field in
-`pipeline.request_state._ActiveFields`, and its line in `_advance` (and in `_stages_asked`
-when it needs per-token texts or the stream from before the chunk).
+`pipeline.request_state._ActiveFields`, and its line in `pipeline.stages.KINDS`; nothing here.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from pipeline.requests import failures
 from pipeline.requests.outcomes import Outcomes
 from pipeline.requests.work import Work
 from pipeline.results import BatchResult, Delta
-from pipeline.stages import logprobs, stop_strings
+from pipeline.stages.base import NO_PLAN, Chunk, Plan
 from schemas.fast_events import ParsedFinish, ParsedTokens
 from schemas.validation import is_record_fault
 
-# (request, its chunk, its decode outcome, per-token texts or None, its stream before or None)
-_Step = tuple[Work, list[int], ChunkResult, list[str] | None, DecodeStream | None]
+# (request, its chunk, its decode outcome, per-token texts or None, its stream before or None,
+# its stages' plan)
+_Step = tuple[Work, list[int], ChunkResult, list[str] | None, DecodeStream | None, Plan]
+_Staged = tuple[Work, list[int], DecodeStream | None, Plan]
 
 
 class Decoder:
@@ -41,48 +45,57 @@ class Decoder:
 
     def __init__(self, outcomes: Outcomes, max_text_bytes: int | None) -> None:
         self.outcomes = outcomes
-        self.registry = outcomes.registry
+        self.stages = outcomes.stages
         self.max_text_bytes = max_text_bytes  # see `RequestProcessor`
 
     def decode(self, work: Sequence[Work], result: BatchResult) -> None:
         """Decode every request's chunk: one batched round for the chunks pushed whole (those
         of requests whose stages need no per-token text), id by id for the others."""
         requests = self.outcomes.requests
+        choose = self.stages.of
         # Only requests still active get decoded: a gap overflow may have failed one meanwhile.
         plain: list[tuple[Work, list[int]]] = []
-        staged: list[tuple[Work, list[int], DecodeStream | None]] = []
+        staged: list[_Staged] = []
         singles: list[_Step] = []
         for entry in work:
             state = entry.state
             if requests.get(entry.request_id) is not state:
                 continue
-            if state.stop is None and (state.logprobs is False or not logprobs.wanted(entry)):
+            plan = state.stages
+            if plan is None:
+                plan = choose(entry.request_id, state, entry)
+            if not plan.stages:
                 plain.append((entry, _joined_ids(entry.events)))  # no stage: the fast path
                 continue
+            if plan.whole:  # stages that need nothing of the decode: the batched round as is
+                staged.append((entry, _joined_ids(entry.events), None, plan))
+                continue
             try:
-                self._stages_asked(entry, staged, singles, result)
+                self._stages_asked(entry, plan, staged, singles, result)
             except BaseException as error:  # as in `process`: this request only
                 if not is_record_fault(error):
                     raise
                 failures.fail_unexpected(self.outcomes, entry, error, result)
-        batched = [(w, chunk, before) for w, chunk, before in staged]
-        batched += [(w, chunk, None) for w, chunk in plain]
+        batched = list(staged)
+        batched += [(w, chunk, None, NO_PLAN) for w, chunk in plain]
         try:
-            outcomes = decode_round([(w.state.stream, chunk) for w, chunk, _ in batched])
+            outcomes = decode_round([(w.state.stream, chunk) for w, chunk, _, _ in batched])
         except BaseException as error:  # the round isolates streams; this fault is around them
             if not is_record_fault(error):
                 raise
-            for entry, _, _ in batched:
+            for entry, _, _, _ in batched:
                 failures.fail_unexpected(self.outcomes, entry, error, result)
             return
         steps: list[_Step] = [
-            (w, c, o, None, before) for (w, c, before), o in zip(batched, outcomes, strict=True)
+            (w, c, o, None, before, plan)
+            for (w, c, before, plan), o in zip(batched, outcomes, strict=True)
         ]
         # Requests with stages first, then the rest: the order results have always come in.
         steps[len(staged) : len(staged)] = singles
-        for entry, chunk, outcome, texts, before in steps:
+        advance = self._advance
+        for entry, chunk, outcome, texts, before, plan in steps:
             try:
-                self._advance(entry, chunk, outcome, texts, before, result)
+                advance(entry, chunk, outcome, texts, before, plan, result)
             except BaseException as unexpected:  # as in `process`: this request only
                 if not is_record_fault(unexpected):
                     raise
@@ -91,29 +104,32 @@ class Decoder:
     def _stages_asked(
         self,
         entry: Work,
-        staged: list[tuple[Work, list[int], DecodeStream | None]],
+        plan: Plan,
+        staged: list[_Staged],
         singles: list[_Step],
         result: BatchResult,
     ) -> None:
-        """What a request's stages need of its decode: logprobs push the chunk id by id (into
-        `singles`, decoded here); stop strings a copy of the stream before the chunk (into
-        `staged`, for the batched round). A chunk whose logprobs are unusable fails here."""
-        fault = logprobs.check(self.registry, entry)
-        if fault is not None:
-            failures.fail_on_event(self.outcomes, entry, *fault, result)
-            return
+        """What a request's stages need of its decode: each id's text (into `singles`, pushed
+        id by id here) or a copy of the stream before the chunk (into `staged`, for the
+        batched round). A chunk a stage cannot use fails its request here."""
+        for check in plan.checks:
+            fault = check(entry)
+            if fault is not None:
+                failures.fail_on_event(self.outcomes, entry, *fault, result)
+                return
         chunk = _joined_ids(entry.events)
         stream = entry.state.stream
-        if entry.state.logprobs:
+        if plan.per_token:
             texts: list[str] = []
             try:
                 push_each(stream, chunk, texts)
                 outcome = ChunkResult("".join(texts))
             except (StrictDecodeError, InvalidTokenIdError) as error:
                 outcome = ChunkResult("".join(texts), error)
-            singles.append((entry, chunk, outcome, texts, None))
+            singles.append((entry, chunk, outcome, texts, None, plan))
         else:
-            staged.append((entry, chunk, stream.clone()))  # type: ignore[arg-type]
+            before = stream.clone() if plan.stream_before else None
+            staged.append((entry, chunk, before, plan))  # type: ignore[arg-type]
 
     def _advance(
         self,
@@ -122,10 +138,12 @@ class Decoder:
         outcome: ChunkResult,
         texts: list[str] | None,
         before: DecodeStream | None,
+        plan: Plan,
         result: BatchResult,
     ) -> None:
-        """A chunk's decoded text into its request: its stages (logprobs recorded, a stop
-        found or text held back for one), then the delta, and at the finish the completion."""
+        """A chunk's decoded text into its request: through its stages (a stop found, the ids
+        that count recorded, text held back), then the delta, and at the finish the
+        completion."""
         out = self.outcomes
         state = entry.state
         error = outcome.error
@@ -142,16 +160,19 @@ class Decoder:
         if finished:
             text += state.stream.flush()
         if chunk and state.logprobs is None:
-            state.logprobs = False  # its first ids came without logprobs: see `wanted`
-        if state.logprobs:
-            logprobs.record(state, entry.events, pushed, texts or [])
-        matcher = None
-        if state.stop is not None:
-            matcher = stop_strings.scanner(state)
-            match = matcher.scan(state.stop_held, text)  # type: ignore[union-attr]
-            if match is not None:
-                stop_strings.stop(out, entry, chunk, pushed, text, texts, before, match, result)
-                return
+            state.logprobs = False  # its first ids came without logprobs: see `Logprobs.choose`
+        staged = plan.stages  # falsy for a request without options: no stage work below
+        if staged:
+            for stops, end in plan.stoppers:
+                found = stops(state, text)
+                if found is not None:
+                    step = Chunk(entry, chunk, pushed, text, texts, before, finished, plan)
+                    end(out, step, found, result)
+                    return
+            if plan.decodes:
+                step = Chunk(entry, chunk, pushed, text, texts, before, finished, plan)
+                for decoded in plan.decodes:
+                    decoded(state, step, pushed)
         if error is not None:
             failures.fail_decode(out, entry, chunk, text, error, result)  # type: ignore[arg-type]
             return
@@ -166,30 +187,23 @@ class Decoder:
                 return
         state.add_text(text, size)
         published = text
-        if matcher is not None:
-            published = stop_strings.hold_back(state, matcher, state.stop_held + text, finished)
+        if staged:
+            for release in plan.releases:
+                published = release(state, published, finished)
         out.filtered_ids(entry.request_id, state, result)
-        entries = None
-        if state.logprobs:
-            entries = logprobs.new_entries(self.registry, state, finished, state.text_chars)
-        if published or finished or entries:
+        if plan.publishes:
+            out.publish(entry.request_id, state, last.seq, published, finished, result, plan)
+        elif published or finished:  # no stage fills in a field: the delta as it is, inline
             offset = state.text_chars - len(state.stop_held) - len(published)
-            result.deltas.append(
-                Delta(
-                    entry.request_id,
-                    state.model,
-                    state.delta_start,
-                    last.seq,
-                    offset,
-                    published,
-                    finished,
-                    entries,
-                )
-            )
+            delta = Delta(
+                entry.request_id, state.model, state.delta_start, last.seq, offset, published,
+                finished,
+            )  # fmt: skip
+            result.deltas.append(delta)
             state.delta_start = last.seq + 1
         if finished:
             result.completions.append(
-                out.completion(entry.request_id, state, "ok", last.finish_reason)
+                out.completion(entry.request_id, state, "ok", last.finish_reason, plan=plan)
             )
             marker = FinishedRequest(last_seq=last.seq, last_event_at=state.last_event_at)
             out.close(entry.request_id, state, marker, result)

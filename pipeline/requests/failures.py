@@ -41,7 +41,6 @@ def fail_decode(
     state.generated_tokens += bad_index
     result.decoded_tokens += bad_index
     partial_text = out.fitting(state, partial_text)
-    offset = state.text_chars - len(state.stop_held)
     state.add_text(partial_text)
     out.filtered_ids(entry.request_id, state, result)
     failing = _failing_event_index(entry.events, bad_index)
@@ -66,7 +65,7 @@ def fail_decode(
         DeadLetterReason.STRICT_DECODE_FAILURE,
         str(error),
         result,
-        last_delta=(failing_event.event.seq, offset, partial_text),
+        last_delta=(failing_event.event.seq, partial_text),
         finish_seen=entry.finished,
     )
 
@@ -76,7 +75,6 @@ def fail_too_large(out: Outcomes, entry: Work, text: str, result: BatchResult) -
     that completed the chunk (the chunk decodes as one, so no finer event is known)."""
     state = entry.state
     kept = out.fitting(state, text)
-    offset = state.text_chars - len(state.stop_held)
     state.add_text(kept)
     out.filtered_ids(entry.request_id, state, result)
     last = entry.events[-1]
@@ -91,7 +89,7 @@ def fail_too_large(out: Outcomes, entry: Work, text: str, result: BatchResult) -
         DeadLetterReason.OUTPUT_TOO_LARGE,
         message,
         result,
-        last_delta=(last.event.seq, offset, kept),
+        last_delta=(last.event.seq, kept),
         finish_seen=entry.finished,
     )
 

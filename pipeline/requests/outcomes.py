@@ -10,10 +10,9 @@ it; the processor's own decode path publishes through it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.dead_letter_reasons import REASONS
-from pipeline.logprobs import LogprobEntry, logprobs_model
 from pipeline.request_state import (
     ActiveRequest,
     FailedRequest,
@@ -24,10 +23,12 @@ from pipeline.request_state import (
     json_prefix,
 )
 from pipeline.results import BatchResult, DeadLetter, Delta, Origin
-from pipeline.stages.logprobs import all_entries, new_entries
 from pipeline.tokenizer_registry import TokenizerRegistry
 from schemas.events import Completion, DeadLetterReason, FilteredIdsRecord, StopSignal
 from schemas.fast_events import ParsedEvent, ParsedFinish
+
+if TYPE_CHECKING:
+    from pipeline.stages import Plan, Stages
 
 
 class Outcomes:
@@ -43,11 +44,13 @@ class Outcomes:
         retired_segments: dict[str, int],
         registry: TokenizerRegistry,
         max_text_bytes: int | None,
+        stages: Stages,
     ) -> None:
         self.requests = requests
         self.retired_segments = retired_segments
         self.registry = registry
         self.max_text_bytes = max_text_bytes
+        self.stages = stages  # chooses each request's text stages
 
     @staticmethod
     def dead_letter(
@@ -87,20 +90,31 @@ class Outcomes:
         self.dead_letter_all(result, reason, (held[seq] for seq in sorted(held)), message)
         state.release_held()
 
-    def publish_delta(
+    def publish(
         self,
         request_id: str,
         state: ActiveRequest,
         seq: int,
         text: str,
         final: bool,
-        entries: list[LogprobEntry] | None,
         result: BatchResult,
+        plan: Plan | None = None,
     ) -> None:
+        """Publish the delta of `text` (what the stages before publishing released: it ends
+        where the text ends, less what is held back) through the request's stages, which fill
+        in their fields; a delta that carries nothing is not published, unless `final`."""
+        if plan is None:
+            plan = self.stages.of(request_id, state)
+        if not (plan.stages or text or final):
+            return
         offset = state.text_chars - len(state.stop_held) - len(text)
-        result.deltas.append(
-            Delta(request_id, state.model, state.delta_start, seq, offset, text, final, entries)
-        )
+        delta = Delta(request_id, state.model, state.delta_start, seq, offset, text, final)
+        if plan.publishes:
+            for publish in plan.publishes:
+                publish(state, delta)
+            if not (final or delta.text or delta.logprobs or delta.reasoning or delta.tool_calls):
+                return
+        result.deltas.append(delta)
         state.delta_start = seq + 1
 
     def filtered_ids(self, request_id: str, state: ActiveRequest, result: BatchResult) -> None:
@@ -132,24 +146,27 @@ class Outcomes:
         finish_reason: str | None,
         error: str | None = None,
         stop_reason: str | None = None,
+        plan: Plan | None = None,
     ) -> Completion:
-        logprobs = None
-        if state.logprobs:
-            # Validated once here into the models; deltas carry the plain entries.
-            logprobs = logprobs_model(all_entries(self.registry, state))
-        return Completion(
-            request_id=request_id,
-            model=state.model,
-            text=state.text(),
-            status=status,
-            finish_reason=finish_reason,
-            prompt_tokens=state.prompt_tokens,
-            generated_tokens=state.generated_tokens,
-            filtered_prompt_ids=list(state.stream.filtered_prompt_ids),
-            error=error,
-            stop_reason=stop_reason,
-            logprobs=logprobs,
-        )
+        """The request's completion, its stages' fields filled in (`plan`: the stages its
+        last chunk went through, when the caller has them)."""
+        fields: dict[str, Any] = {
+            "request_id": request_id,
+            "model": state.model,
+            "text": state.text(),
+            "status": status,
+            "finish_reason": finish_reason,
+            "prompt_tokens": state.prompt_tokens,
+            "generated_tokens": state.generated_tokens,
+            "filtered_prompt_ids": list(state.stream.filtered_prompt_ids),
+            "error": error,
+            "stop_reason": stop_reason,
+        }
+        if plan is None:
+            plan = self.stages.of(request_id, state)
+        for complete in plan.completes:
+            complete(state, fields)
+        return Completion(**fields)
 
     def end_failed(
         self,
@@ -158,27 +175,28 @@ class Outcomes:
         reason: DeadLetterReason,
         message: str,
         result: BatchResult,
-        last_delta: tuple[int, int, str] | None = None,
+        last_delta: tuple[int, str] | None = None,
         *,
         finish_seen: bool = False,
     ) -> None:
-        """Fail a live request: its final delta (seq, text offset, text) when it has one, a
-        failed completion with the text so far, and the failed marker; and a stop signal
-        unless its finish event was consumed (`finish_seen`: in the failing chunk; or held)."""
-        if last_delta is None and state.stop_held:
-            # Text held back for a possible stop string is the request's: it goes out too.
+        """Fail a live request: its final delta (seq, the text the failing chunk added) when
+        it has one, a failed completion with the text so far, and the failed marker; and a stop
+        signal unless its finish event was consumed (`finish_seen`: in the failing chunk; or
+        held)."""
+        plan = self.stages.of(request_id, state)
+        if last_delta is None and any(holds(state) for holds in plan.holders):
+            # Text a stage holds back (for a possible stop string) is the request's: it goes
+            # out too.
             seq = state.next_seq - 1
             state.delta_start = min(state.delta_start, seq)
-            last_delta = (seq, state.text_chars - len(state.stop_held), "")
+            last_delta = (seq, "")
         if last_delta is not None:
-            seq, offset, text = last_delta
+            seq, text = last_delta
             text = state.stop_held + text
             state.stop_held = ""
-            entries = new_entries(self.registry, state, True, state.text_chars)
-            result.deltas.append(
-                Delta(request_id, state.model, state.delta_start, seq, offset, text, True, entries)
-            )
-        result.completions.append(self.completion(request_id, state, "failed", None, message))
+            self.publish(request_id, state, seq, text, True, result, plan)
+        completion = self.completion(request_id, state, "failed", None, message, plan=plan)
+        result.completions.append(completion)
         if not (finish_seen or holds_finish(state)):
             stop_signal(request_id, state, reason, result)
         marker = FailedRequest(model=state.model, reason=reason, last_event_at=state.last_event_at)

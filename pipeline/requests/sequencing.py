@@ -210,8 +210,7 @@ class Sequencer:
             stream=stream,
             prompt_tokens=_prompt_tokens(event),
             last_event_at=at,
-            stop=event.stop,
-            include_stop_str_in_output=event.include_stop_str_in_output,
+            **self.outcomes.stages.opened(event, model),
         )
 
 

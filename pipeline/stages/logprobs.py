@@ -4,15 +4,18 @@ A request has logprobs when its first tokens event with ids carries them (docs/d
 options.md). Its ids are pushed one by one (each token's text is part of its entry); the stage
 keeps the columns (`ActiveRequest.lp_*`), checks each event's alternatives against the
 vocabulary, and builds the entries deltas and the completion carry (`pipeline.logprobs`).
+An entry's `text_offset` counts the request's generated text as decoded (before any other
+stage splits it), so entries stay per token whatever a later stage makes of the text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pipeline.logprobs import LogprobEntry, build_entries, check_alternatives
+from pipeline.logprobs import LogprobEntry, build_entries, check_alternatives, logprobs_model
 from pipeline.request_state import ActiveRequest, HeldEvent
+from pipeline.stages.base import Chunk, Fault, StageConfig, StageKind, TextStage
 from pipeline.tokenizer_registry import TokenizerRegistry
 from pipeline.vocab_tables import profile_for
 from schemas.events import DeadLetterReason
@@ -20,23 +23,60 @@ from schemas.fast_events import ParsedTokens
 
 if TYPE_CHECKING:
     from pipeline.requests.work import Work
-
-# (index of the unusable event in the chunk, reason, message): what fails a chunk's request.
-Fault = tuple[int, DeadLetterReason, str]
+    from pipeline.results import Delta
 
 
-def wanted(entry: Work) -> bool:
-    """Whether a request's chunk is decoded with logprobs: decided by its first tokens event,
-    so a request decoded without them costs one attribute test here."""
-    logprobs = entry.state.logprobs
-    if logprobs is not None:
-        return logprobs
-    if entry.state.generated_tokens:
-        return False  # decided without (a snapshot leaves an option-less request's None)
-    return any(
-        type(held.event) is ParsedTokens and held.event.logprobs is not None
-        for held in entry.events
-    )
+class Logprobs(TextStage, StageKind):
+    """The stage of a request with logprobs (one per processor: its state is the request's
+    columns)."""
+
+    __slots__ = ("registry",)
+    per_token = True
+
+    def __init__(self, config: StageConfig) -> None:
+        self.registry = config.registry
+
+    def choose(self, request_id: str, state: ActiveRequest, entry: Work | None) -> TextStage | None:
+        """Decided by the request's first tokens event with ids, so a request decoded without
+        logprobs costs nothing here once decided."""
+        logprobs = state.logprobs
+        if logprobs is not None:
+            return self if logprobs else None
+        first = _first_with_ids(state, entry)
+        return self if first is not None and first.logprobs is not None else None
+
+    def settled(self, state: ActiveRequest, entry: Work | None) -> bool:
+        if state.logprobs is not None or state.generated_tokens:
+            return True
+        return _first_with_ids(state, entry) is not None
+
+    def check(self, entry: Work) -> Fault | None:
+        return check(self.registry, entry)
+
+    def decoded(self, state: ActiveRequest, chunk: Chunk, count: int) -> None:
+        if state.logprobs:
+            record(state, chunk.entry.events, count, chunk.texts or [])
+
+    def publish(self, state: ActiveRequest, delta: Delta) -> None:
+        delta.logprobs = new_entries(self.registry, state, delta.final, state.text_chars)
+
+    def complete(self, state: ActiveRequest, fields: dict[str, Any]) -> None:
+        if state.logprobs:
+            # Validated once here into the models; deltas carry the plain entries.
+            fields["logprobs"] = logprobs_model(all_entries(self.registry, state))
+
+
+def _first_with_ids(state: ActiveRequest, entry: Work | None) -> ParsedTokens | None:
+    """The tokens event that decides whether a request has logprobs, if it is in `entry`;
+    None when none is (a request that generated ids already was decided without: a snapshot
+    leaves an option-less request's `logprobs` None)."""
+    if state.generated_tokens or entry is None:
+        return None
+    for held in entry.events:
+        event = held.event
+        if type(event) is ParsedTokens and event.token_ids:
+            return event
+    return None
 
 
 def check(registry: TokenizerRegistry, entry: Work) -> Fault | None:
@@ -105,12 +145,6 @@ def record(
     for text in texts[:pushed]:
         offsets.append(offset)
         offset += len(text)
-
-
-def truncate(state: ActiveRequest, kept: int) -> None:
-    """Keep the first `kept` entries (a stop string ended the text inside the chunk)."""
-    del state.lp_ids[kept:], state.lp_values[kept:], state.lp_tops[kept:]
-    del state.lp_offsets[kept:]
 
 
 def new_entries(
