@@ -924,3 +924,40 @@ def test_a_transaction_committed_again_is_counted_once_for_dashboards(worker) ->
     assert "detok_transactions_recommitted_total 1.0" in scraped
     assert 'detok_transactions_total{outcome="committed"} 2.0' in scraped
     assert worker.stats.recommitted_commits == 1  # the run summary agrees with the dashboard
+
+
+class StuckFlushProducer(ScriptedProducer):
+    """Every commit times out, as when records wait for a partition deleted under them."""
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls.append("commit")
+        raise KafkaException(
+            KafkaError(
+                KafkaError._TIMED_OUT, "Failed to flush all outstanding messages", retriable=True
+            )
+        )
+
+
+def test_a_commit_timing_out_on_a_deleted_topic_stops_at_once_not_after_its_budget() -> None:
+    """Records produced to a topic deleted under them are never flushed: each commit call times
+    out. The strategy asks `topics_gone` after a timed-out call and stops the worker at the
+    first, rather than retrying for the commit's whole budget (COMMIT_TIMEOUT_S, 120 s) and
+    naming the topic only then (a CI run saw that outlast the test's wait)."""
+    asked: list[str] = []
+    gone = iter(["", "; topic(s) t.completions no longer exist"])
+
+    def topics_gone() -> str:
+        asked.append("asked")
+        return next(gone)
+
+    producer = StuckFlushProducer()
+    strategy = ExactlyOnce("detok-g-w0", Deadline(), commit_timeout_s=5)
+    strategy.topics_gone = topics_gone
+    strategy.start(producer, Renewals())
+    try:
+        with pytest.raises(FatalWorkerError, match="committing a transaction failed"):
+            commit_once(strategy)
+        assert producer.calls.count("commit") == 2  # retried while every topic was there
+        assert asked == ["asked", "asked"]
+    finally:
+        strategy.close()

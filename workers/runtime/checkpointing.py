@@ -389,6 +389,12 @@ class ExactlyOnce:
         self.transactional_id = transactional_id
         self.deadline = deadline
         self.commit_timeout_s = commit_timeout_s
+        # Names the pipeline topics deleted while the worker runs ("" when none); the worker
+        # sets it (`Emitter.missing_topics`). Records produced to a topic deleted under them
+        # stay unflushed, so each commit call times out until the commit's whole budget
+        # (COMMIT_TIMEOUT_S) is spent, and only then was the topic named: a timed-out call
+        # asks, and a deleted topic stops the worker at once.
+        self.topics_gone: Callable[[], str] = _none_gone
         self.producer: Producer | None = None
         self._calls: _ProducerCalls | None = None
         self._renew: Callable[[str], Producer] | None = None
@@ -646,9 +652,15 @@ class ExactlyOnce:
                     raise FatalWorkerError(f"{what} failed: {describe_error(error)}") from exception
                 if error.txn_requires_abort():
                     raise _MustAbort(error) from exception
-                if not error.retriable():
+                if not error.retriable() or (
+                    error.code() == KafkaError._TIMED_OUT and self.topics_gone()
+                ):
                     raise FatalWorkerError(f"{what} failed: {describe_error(error)}") from exception
                 wait.retry_after(error)
+
+
+def _none_gone() -> str:
+    return ""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from workers.runtime.checkpointing import (
     Checkpoint,
     CommitStrategy,
     Deadline,
+    ExactlyOnce,
     FatalWorkerError,
     strategy_for,
 )
@@ -149,6 +150,8 @@ class Worker:
             **shared,
             **waits,
         )
+        if isinstance(self.strategy, ExactlyOnce):
+            self.strategy.topics_gone = self.emitter.missing_topics
         self.expiry = ExpirySweep(self.processor, self.ownership, self.emitter, self.stats)
         self.loop = WorkerLoop(
             self.settings,
