@@ -162,7 +162,8 @@ def test_ensure_sets_record_limits_the_outputs_and_dead_letters_need(kafka_boots
     limits = topic_limits(kafka_bootstrap, names)
     assert limits.pop("input") == 1_048_588  # left at the broker's default
     assert limits.pop("dead_letters") == OUTPUT_MAX_MESSAGE_BYTES + 64 * 1024
-    assert limits.pop("control") == 64 * 1024  # stop signals: small records
+    # Stop signals are small, but the limit bounds a batch: 20k requests ending together fill one.
+    assert limits.pop("control") == OUTPUT_MAX_MESSAGE_BYTES
     assert limits == dict.fromkeys(["deltas", "completions", "metrics", "changelog"], 8 << 20)
 
 

@@ -30,8 +30,10 @@ usually does too, so every topic is created here with the shape the pipeline rel
     restore, a changelog record) with its original bytes and headers, plus the error headers
     (a message capped at 4 KiB, the source topic name of at most 249 characters, a request id of
     at most 512, and a few short fields), so any record either topic accepts fits.
-  - the control topic (stop signals for engines) gets CONTROL_MAX_MESSAGE_BYTES (64 KiB): its
-    records are small and fixed in shape.
+  - the control topic (stop signals for engines) gets OUTPUT_MAX_MESSAGE_BYTES too. Its records
+    are small, but `max.message.bytes` bounds a record *batch*, and the worker's producer fills
+    batches up to librdkafka's `batch.size` (1 MB) when thousands of requests end in one
+    transaction (20k TTL expiries): a 64 KiB limit refused such a batch and failed the worker.
   An existing topic whose limit is lower is raised to these values (raising a limit never breaks
   a reader or a writer); a higher limit is left as it is.
 
@@ -92,9 +94,6 @@ MAX_MESSAGE_BYTES = "max.message.bytes"
 # See the module docstring for why each value.
 OUTPUT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 DEAD_LETTER_HEADER_ALLOWANCE = 64 * 1024
-# A stop signal names a request (at most 512 characters) and a model (256), JSON-escaped at most
-# six bytes a character: under 5 KiB. 64 KiB is room to spare and far below the broker default.
-CONTROL_MAX_MESSAGE_BYTES = 64 * 1024
 # Three replicas survive one broker failure with two in sync; more cost disk and write latency
 # for a second simultaneous failure, the operator's call (`--replication-factor`).
 MAX_DEFAULT_REPLICATION_FACTOR = 3
@@ -124,12 +123,11 @@ class EnsuredTopics:
 
 def required_message_limits(names: TopicNames, input_limit: int) -> dict[str, int]:
     """The `max.message.bytes` every topic but the input needs, given the input's limit."""
-    outputs = (names.deltas, names.completions, names.metrics, names.changelog)
+    outputs = (names.deltas, names.completions, names.metrics, names.changelog, names.control)
     limits = dict.fromkeys(outputs, OUTPUT_MAX_MESSAGE_BYTES)
     limits[names.dead_letters] = (
         max(input_limit, OUTPUT_MAX_MESSAGE_BYTES) + DEAD_LETTER_HEADER_ALLOWANCE
     )
-    limits[names.control] = CONTROL_MAX_MESSAGE_BYTES
     return limits
 
 
