@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -293,19 +294,38 @@ def kafka_from(args: argparse.Namespace) -> Kafka:
 
 
 def worker_command(
-    kafka: Kafka, names: TopicNames, group: str, specs: list[str], *extra: str
+    kafka: Kafka,
+    names: TopicNames,
+    group: str,
+    specs: list[str],
+    *extra: str,
+    tree: Tree | None = None,
 ) -> list[str]:
     """A `detok worker` on `kafka`'s cluster: its address, and the client configuration as the
-    same `--kafka-config` / `-X` flags this bench was given, so the worker connects as it does."""
+    same `--kafka-config` / `-X` flags this bench was given, so the worker connects as it does.
+    A topic role `tree`'s worker has no flag for (a tree from before the role, e.g. the control
+    topic's) is left out: that worker does not write it."""
     bootstrap = kafka.connection.bootstrap_servers
     command = [sys.executable, "-m", "workers.cli", "worker", "--bootstrap-servers", bootstrap]
     command += kafka.config_flags
     command += ["--group", group, "--commit-interval-ms", str(COMMIT_INTERVAL_MS)]
     for spec in specs:
         command += ["--tokenizer", spec]
+    known = worker_help(tree or THIS_TREE)
     for role, name in names.model_dump().items():
-        command += [f"--{role.replace('_', '-')}-topic", name]
+        flag = f"--{role.replace('_', '-')}-topic"
+        if flag in known:
+            command += [flag, name]
     return [*command, *extra]
+
+
+@functools.cache
+def worker_help(tree: Tree) -> str:
+    """`detok worker --help` of a tree: which flags its worker takes."""
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", "worker", "--help"],
+        env=tree.environment(), cwd=tree.path, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -468,6 +488,7 @@ def run_workers(
             guarantee,
             "--instance-id",
             f"{prefix}-{index}",
+            tree=tree,
         )
         processes.append((start(command, log, tree=tree), log))
     profiler = None
@@ -476,10 +497,14 @@ def run_workers(
     # Done when the group has committed every input offset; then SIGTERM, and each worker logs
     # its summary. (`--exit-when-idle` cannot tell "done" from "between two rebalance rounds".)
     ends = end_offsets(kafka.connection, input_topic)
-    wait_for(
-        lambda: committed_offsets(kafka.connection, group, input_topic, list(ends)) == ends,
-        f"{label} to commit the whole input",
-    )
+
+    def done() -> bool:
+        for process, log in processes:
+            if process.poll() is not None:  # a worker that cannot start ends the wait at once
+                raise WorkerCrashed(f"worker exited {process.returncode}; see {log}")
+        return committed_offsets(kafka.connection, group, input_topic, list(ends)) == ends
+
+    wait_for(done, f"{label} to commit the whole input")
     found = []
     for process, log in processes:
         process.send_signal(signal.SIGTERM)
@@ -562,9 +587,11 @@ def latency_run(
     events_per_s = len(events) * tokens_per_s / tokens
     log = logs / f"{prefix}.log"
     join_log = logs / f"{prefix}-joining.log"
-    command = worker_command(kafka, names, group, workload.specs, "--instance-id", prefix)
+    command = worker_command(
+        kafka, names, group, workload.specs, "--instance-id", prefix, tree=tree
+    )
     join_command = worker_command(
-        kafka, names, group, workload.specs, "--instance-id", f"{prefix}-joining"
+        kafka, names, group, workload.specs, "--instance-id", f"{prefix}-joining", tree=tree
     )
     received: dict[tuple[str, int], tuple[float, float]] = {}
     arrivals: list[tuple[int, float, float]] = []  # (partition, created, seen) of each delta

@@ -22,6 +22,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     TypeAdapter,
     field_serializer,
+    model_serializer,
     model_validator,
 )
 
@@ -273,6 +274,20 @@ class TextDelta(_Wire):
     reasoning: str | None = None
     reasoning_offset: Annotated[int, Field(ge=0)] | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_chat_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A request no parser reads writes no chat fields: three nulls were ~58 bytes on every
+        # delta record (a quarter of a 16-token delta) for a feature it does not use.
+        record = handler(self)
+        if self.reasoning_offset is None:
+            for name in _CHAT_DELTA_FIELDS:
+                if record.get(name) is None:
+                    record.pop(name, None)
+        return record
+
+
+_CHAT_DELTA_FIELDS = ("reasoning", "reasoning_offset", "tool_calls")
 
 
 class Completion(_Wire):
