@@ -230,6 +230,17 @@ def processor_rounds(
     return rounds
 
 
+def processed(processor: RequestProcessor, batch: list) -> list[Any]:
+    """One batch through `processor`, its deltas and completions encoded as the worker writes
+    them (an option's cost includes its output records); the completions."""
+    result = processor.process(batch)
+    for delta in result.deltas:
+        delta.to_wire_json()
+    for completion in result.completions:
+        dump_json(completion)
+    return result.completions
+
+
 def method_processor(
     registry: TokenizerRegistry,
     rounds: list[list[tuple[ParsedEvent, EventOrigin]]],
@@ -240,13 +251,7 @@ def method_processor(
     texts: dict[str, str] = {}
     stopped = 0
     for batch in rounds:
-        result = processor.process(batch)
-        # Encoded as the worker writes them: an option's cost includes its output records.
-        for delta in result.deltas:
-            delta.to_wire_json()
-        for completion in result.completions:
-            dump_json(completion)
-        for completion in result.completions:
+        for completion in processed(processor, batch):
             if completion.status != "ok":
                 raise SystemExit(f"bench request failed: {completion.error}")
             texts[completion.request_id] = completion.text
@@ -442,12 +447,7 @@ def method_chat(registry: TokenizerRegistry, rounds: list, parsers: ChatParsers)
     processor = RequestProcessor(registry, chat_parsers=parsers)
     completions = []
     for batch in rounds:
-        result = processor.process(batch)
-        for delta in result.deltas:
-            delta.to_wire_json()
-        for completion in result.completions:
-            dump_json(completion)
-        completions += result.completions
+        completions += processed(processor, batch)
     return completions
 
 
